@@ -9,7 +9,7 @@ to objects (`to_root_config`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -258,10 +258,27 @@ def validate(cfg: RootConfig) -> RootConfig:
     return cfg
 
 
+def _reject_unknown_keys(node: Any, schema: type, prefix: str) -> None:
+    """Keys forced in with Hydra's `+key=value` bypass struct mode; the schema still decides."""
+    allowed = {f.name: f for f in fields(schema)}
+    for key in node:
+        if key == "hydra":
+            continue
+        name = f"{prefix}{key}"
+        if key not in allowed:
+            raise ConfigError(f"unknown config key {name!r}; valid keys here: {', '.join(sorted(allowed))}")
+        sub_type = allowed[key].type
+        sub_schema = globals().get(sub_type) if isinstance(sub_type, str) else sub_type
+        value = node[key] if OmegaConf.is_dict(node) else None
+        if is_dataclass(sub_schema) and isinstance(value, DictConfig):
+            _reject_unknown_keys(value, sub_schema, name + ".")
+
+
 def to_root_config(cfg: DictConfig | RootConfig) -> RootConfig:
     """Turn a composed Hydra config into a validated `RootConfig` object."""
     if isinstance(cfg, RootConfig):
         return validate(cfg)
+    _reject_unknown_keys(cfg, RootConfig, "")
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, RootConfig):
         raise ConfigError("the composed config does not extend the 'eagle_schema' root schema")

