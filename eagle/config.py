@@ -143,6 +143,7 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=lambda: ["autoregressive", "hf_generate", "prompt_lookup"])
     tree_sweep: list[int] = field(default_factory=list)  # total_tokens values for the speedup plot
     num_threads: int | None = None  # torch threads for every method alike; None = torch default
+    prompt_lookup_num_tokens: int = 10  # HF prompt-lookup baseline: n-gram candidate tokens per step
 
 
 @dataclass
@@ -252,6 +253,13 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError("decode.tree=static needs decode.static_paths (a list of paths of child ranks)")
     _choice("eval.turns", cfg.eval.turns, ("first", "all"))
     _positive("eval.max_prompts", cfg.eval.max_prompts)
+    _positive("eval.prompt_lookup_num_tokens", cfg.eval.prompt_lookup_num_tokens)
+    _positive("eval.num_threads", cfg.eval.num_threads)
+    _positive("eval.warmup_prompts", cfg.eval.warmup_prompts, allow_zero=True)
+    for baseline in cfg.eval.baselines:
+        _choice("eval.baselines", baseline, ("autoregressive", "hf_generate", "prompt_lookup"))
+    for size in cfg.eval.tree_sweep:
+        _positive("eval.tree_sweep", size)
     _choice("format", cfg.format, ("vllm", "sglang", "speculators", "hf"))
     _choice("export.dtype", cfg.export.dtype, dtypes)
     _choice("logger.name", cfg.logger.name, ("console", "wandb"))

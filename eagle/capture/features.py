@@ -53,6 +53,8 @@ def extract_features(
 
     Returns {"final_hidden": [B, T, H]} plus {"aux_hidden": [B, T, 3, H]} when `aux_layer_ids` is
     given. Values at padded positions are meaningless; callers mask them with `attention_mask`.
+    The outputs are inference tensors: `.clone()` them outside inference mode before they enter a
+    graph that autograd saves (the online trainer's head forward).
     """
     decoder = decoder_of(model)
     want_aux = bool(aux_layer_ids)

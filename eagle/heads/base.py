@@ -127,3 +127,15 @@ class DraftHead(nn.Module, ABC):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own weights (and vocab maps), without anything borrowed from the target."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}
+
+
+class BorrowedModules(dict):
+    """Frozen target modules a head uses but does not own (embeddings, EAGLE-1's LM head).
+
+    Held in a plain dict attribute instead of as submodules, so they never appear in the head's
+    parameters(), state_dict() or DDP wrapper; copying a head (deepcopy, e.g. for an EMA) shares
+    them instead of duplicating the target's weights.
+    """
+
+    def __deepcopy__(self, memo: dict) -> BorrowedModules:
+        return BorrowedModules(self)

@@ -1,0 +1,394 @@
+"""Capture: run the frozen target over tokenized conversations and store its features in shards.
+
+`capture_splits` is the library core (target and conversations passed in); `run_capture` is the
+`eagle-capture` stage (loads the target, builds the data splits, captures into `output_dir`).
+
+Work split: shard k of the global shard order (train shards, then held-out shards) belongs to rank
+k % world_size, so ranks of an `accelerate launch` fill disjoint shards; rank 0 merges the per-rank
+progress files into `manifest.json` at the end. A re-run (any world size) skips shards that are
+already recorded and present, and refuses a folder captured with another target, data, algorithm,
+layer set, dtype or shard size.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from eagle.capture.features import check_layer_ids, extract_features
+from eagle.capture.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    RANK_MANIFEST,
+    SPLITS,
+    STORAGE_DTYPES,
+    assemble_manifest,
+    atomic_write_json,
+    check_same_capture,
+    completed_shards,
+    read_manifest,
+    remove_stale_tmp,
+    write_shard,
+)
+from eagle.config import CaptureConfig, RootConfig
+from eagle.errors import CaptureError
+from eagle.targets import TargetInfo, default_aux_layer_ids
+
+
+class Conversation(Protocol):
+    """What capture reads from `eagle.data.TokenizedConversation`."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class ProcessState(Protocol):
+    """The part of `accelerate.PartialState` capture uses (a stand-in works in tests)."""
+
+    process_index: int
+    num_processes: int
+    is_main_process: bool
+
+    def wait_for_everyone(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    split: str
+    index: int  # shard index within the split
+    ordinal: int  # position in the global shard order; decides the owning rank
+    conversations: Sequence[Conversation]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.input_ids) for c in self.conversations)
+
+
+# --- batching -------------------------------------------------------------------------------------
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Group indices into batches of similar length whose padded size (count x longest) stays
+    within `batch_tokens`; a sequence longer than the budget forms a batch of its own.
+
+    Sorting longest first keeps padding small and puts the largest (memory-peak) batch first, so an
+    out-of-memory error shows up at once rather than late in a shard.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]  # sorted: the first is the longest
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists -> (input_ids [B, T] long, attention_mask [B, T] long)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # [B, T]
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, T]
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+# --- planning -------------------------------------------------------------------------------------
+
+
+def plan_shards(splits: dict[str, Sequence[Conversation]], shard_size: int) -> list[ShardJob]:
+    """Shard k of a split = its conversations [k * shard_size, (k + 1) * shard_size)."""
+    jobs: list[ShardJob] = []
+    for split in SPLITS:
+        convs = splits.get(split) or []
+        for index, start in enumerate(range(0, len(convs), shard_size)):
+            jobs.append(ShardJob(split, index, len(jobs), convs[start : start + shard_size]))
+    return jobs
+
+
+def feature_rows(algorithm: str) -> int:
+    """Hidden-size rows stored per token: final (EAGLE-1) or final + 3 aux layers (EAGLE-3)."""
+    return 4 if algorithm == "eagle3" else 1
+
+
+def estimate_bytes(tokens: int, algorithm: str, hidden_size: int, dtype: str) -> int:
+    """Disk estimate: tokens x feature layers x hidden x bytes, plus int32 ids and uint8 mask."""
+    itemsize = torch.empty((), dtype=STORAGE_DTYPES[dtype]).element_size()
+    return tokens * (feature_rows(algorithm) * hidden_size * itemsize + 4 + 1)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def build_header(
+    info: TargetInfo,
+    data_identity: dict[str, Any],
+    algorithm: str,
+    aux_layer_ids: list[int] | None,
+    capture: CaptureConfig,
+    jobs: Sequence[ShardJob],
+) -> dict[str, Any]:
+    """Everything in `manifest.json` except the shard list."""
+    features = {"final_hidden": [info.hidden_size]}
+    if algorithm == "eagle3":
+        features["aux_hidden"] = [3, info.hidden_size]
+    splits = {}
+    for split in SPLITS:
+        mine = [j for j in jobs if j.split == split]
+        splits[split] = {
+            "num_shards": len(mine),
+            "conversations": sum(len(j.conversations) for j in mine),
+            "tokens": sum(j.tokens for j in mine),
+        }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "target": {
+            "fingerprint": info.fingerprint,
+            "source": info.source,
+            "model_type": info.model_type,
+            "hidden_size": info.hidden_size,
+            "num_layers": info.num_layers,
+            "vocab_size": info.vocab_size,
+        },
+        "data": data_identity,
+        "algorithm": algorithm,
+        "aux_layer_ids": list(aux_layer_ids) if algorithm == "eagle3" else None,
+        "features": features,
+        "dtype": capture.dtype,
+        "shard_size": capture.shard_size,
+        "splits": splits,
+    }
+
+
+# --- capture --------------------------------------------------------------------------------------
+
+
+class _SingleProcess:
+    process_index = 0
+    num_processes = 1
+    is_main_process = True
+
+    def wait_for_everyone(self) -> None:
+        return None
+
+
+def _capture_shard(
+    model: nn.Module,
+    job: ShardJob,
+    aux_layer_ids: list[int] | None,
+    capture: CaptureConfig,
+    device: torch.device,
+    on_tokens: Callable[[int], None],
+) -> dict[str, list[torch.Tensor]]:
+    """Forward one shard in length-sorted padded batches; per-conversation features on CPU."""
+    convs = job.conversations
+    for c in convs:
+        if len(c.input_ids) == 0 or len(c.input_ids) != len(c.loss_mask):
+            raise CaptureError(
+                f"conversation {c.id!r} ({job.split} shard {job.index}) has {len(c.input_ids)} tokens and "
+                f"{len(c.loss_mask)} loss-mask entries; the data stage must drop empty or inconsistent records"
+            )
+    storage = STORAGE_DTYPES[capture.dtype]
+    out: dict[str, list[Any]] = {}
+    for batch in length_sorted_batches([len(c.input_ids) for c in convs], capture.batch_tokens):
+        ids, mask = pad_batch([convs[i].input_ids for i in batch])
+        feats = extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+        for name, value in feats.items():
+            # Cast on the device first: half the bytes cross to the host.
+            value = value.to(storage).cpu()  # [b, T, ...]
+            slots = out.setdefault(name, [None] * len(convs))
+            for row, i in enumerate(batch):
+                slots[i] = value[row, : len(convs[i].input_ids)].clone()  # [T_i, ...]
+        on_tokens(int(mask.sum()))
+    return out
+
+
+def capture_splits(
+    model: nn.Module,
+    info: TargetInfo,
+    splits: dict[str, Sequence[Conversation]],
+    output_dir: str | Path,
+    capture: CaptureConfig,
+    algorithm: str,
+    aux_layer_ids: list[int] | None,
+    data_identity: dict[str, Any],
+    device: torch.device | str | None = None,
+    state: ProcessState | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Capture `splits` ({"train": [...], "heldout": [...]}) into `output_dir`; return the manifest.
+
+    Resumable: shards already recorded (by any earlier run, any world size) are skipped. Under
+    several processes every rank must call this with the same arguments.
+    """
+    from tqdm.auto import tqdm
+
+    if algorithm not in ("eagle1", "eagle3"):
+        raise CaptureError(f"draft.algorithm={algorithm!r} is not one of eagle1, eagle3")
+    if algorithm == "eagle3":
+        aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(info.num_layers)
+        check_layer_ids(aux_layer_ids, info.num_layers)
+    else:
+        aux_layer_ids = None
+    state = state or _SingleProcess()
+    rank, world = state.process_index, state.num_processes
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    jobs = plan_shards(splits, capture.shard_size)
+    if not jobs:
+        raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
+    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs)
+
+    # 1. Identity: every rank checks the same old manifest, so all refuse together (no rank left
+    #    waiting at a barrier). Rank 0 then folds earlier per-rank progress into manifest.json.
+    if (root / MANIFEST).is_file():
+        check_same_capture(read_manifest(root), header, root)
+    if state.is_main_process:
+        remove_stale_tmp(root)
+        done = completed_shards(root)
+        atomic_write_json(root / MANIFEST, assemble_manifest(header, done))
+        for stale in root.glob(RANK_MANIFEST.format(rank="*")):
+            stale.unlink(missing_ok=True)
+    state.wait_for_everyone()
+
+    # 2. What is left, and does it fit on disk?
+    done = completed_shards(root)
+    todo = [j for j in jobs if (j.split, j.index) not in done]
+    mine = [j for j in todo if j.ordinal % world == rank]
+    remaining_tokens = sum(j.tokens for j in todo)
+    need = estimate_bytes(remaining_tokens, algorithm, info.hidden_size, capture.dtype)
+    total_tokens = sum(j.tokens for j in jobs)
+    if state.is_main_process:
+        log(
+            f"eagle-capture: {len(jobs)} shards ({len(jobs) - len(todo)} done), {total_tokens} tokens; "
+            f"estimated size {_human(estimate_bytes(total_tokens, algorithm, info.hidden_size, capture.dtype))} "
+            f"({_human(need)} still to write) in {root}"
+        )
+    free = shutil.disk_usage(root).free
+    if need * capture.free_space_margin > free:
+        raise CaptureError(
+            f"{root} has {_human(free)} free but the capture still needs about {_human(need)} "
+            f"(x capture.free_space_margin={capture.free_space_margin}); free space, choose another output_dir, "
+            "or capture fewer conversations (data.max_conversations) / a smaller capture.dtype"
+        )
+
+    # 3. Capture this rank's shards; a single background writer overlaps disk I/O with the next
+    #    shard's forwards (at most one shard waits in memory).
+    recorded: dict[tuple[str, int], dict[str, Any]] = dict(done) if world == 1 else {}
+
+    def write(job: ShardJob, feats: dict[str, list[torch.Tensor]]) -> None:
+        entry = write_shard(
+            root,
+            job.split,
+            job.index,
+            [str(c.id) for c in job.conversations],
+            [list(c.input_ids) for c in job.conversations],
+            [list(c.loss_mask) for c in job.conversations],
+            feats,
+            capture.dtype,
+        )
+        recorded[(job.split, job.index)] = entry
+        if world == 1:
+            atomic_write_json(root / MANIFEST, assemble_manifest(header, recorded))
+        else:
+            own = [recorded[k] for k in sorted(recorded)]
+            atomic_write_json(root / RANK_MANIFEST.format(rank=rank), {"rank": rank, "shards": own})
+
+    bar = tqdm(
+        total=sum(j.tokens for j in mine),
+        unit="tok",
+        unit_scale=True,
+        desc=f"capture[{rank}/{world}]" if world > 1 else "capture",
+        disable=not progress or not state.is_main_process,
+        file=sys.stderr,
+    )
+    pending: Future | None = None
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        for job in mine:
+            feats = _capture_shard(model, job, aux_layer_ids, capture, device, bar.update)
+            if pending is not None:
+                pending.result()  # bound memory to one shard in flight; re-raise write errors
+            pending = writer.submit(write, job, feats)
+        if pending is not None:
+            pending.result()
+    bar.close()
+
+    # 4. Merge: rank 0 collects every rank's entries into the final manifest.
+    state.wait_for_everyone()
+    if state.is_main_process:
+        manifest = assemble_manifest(header, completed_shards(root))
+        atomic_write_json(root / MANIFEST, manifest)
+        for part in root.glob(RANK_MANIFEST.format(rank="*")):
+            part.unlink(missing_ok=True)
+        t = manifest["totals"]
+        per_token = t["bytes"] / max(1, t["tokens"])
+        log(
+            f"eagle-capture: {t['conversations']} conversations, {t['tokens']} tokens, {t['shards']} shards, "
+            f"{_human(t['bytes'])} ({t['bytes']} bytes, {per_token:.1f} bytes/token) in {root}"
+            + ("" if manifest["complete"] else " -- INCOMPLETE: re-run to finish")
+        )
+    state.wait_for_everyone()
+    return read_manifest(root)
+
+
+def run_capture(cfg: RootConfig) -> dict[str, Any]:
+    """The `eagle-capture` stage: target + data splits from `cfg`, features into `cfg.output_dir`."""
+    from accelerate import PartialState
+
+    from eagle.data.dataset import build_splits, data_fingerprint
+    from eagle.targets import load_target
+
+    # Without an accelerator, or with device=cpu, processes started by torchrun / accelerate must
+    # join a gloo group (accelerate only does so when asked for CPU).
+    cpu = cfg.device == "cpu" or not torch.accelerator.is_available()
+    state = PartialState(cpu=cpu)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != state.num_processes:
+        raise CaptureError(
+            f"WORLD_SIZE={launched} processes were launched but accelerate formed a group of "
+            f"{state.num_processes}; each would capture every shard. Launch with torchrun or accelerate launch "
+            "(GPU) / torchrun (CPU), or run a single process"
+        )
+    device = torch.device(cfg.device) if cfg.device else state.device
+    model, tokenizer, info = load_target(cfg.target, device=device)
+    # Rank 0 first: whatever the data stage caches is built once, then read by the others.
+    with state.main_process_first():
+        splits = build_splits(cfg.data, tokenizer, progress=state.is_main_process)
+    identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
+    return capture_splits(
+        model,
+        info,
+        {"train": splits.train, "heldout": splits.heldout},
+        cfg.output_dir,
+        cfg.capture,
+        cfg.draft.algorithm,
+        cfg.draft.aux_layer_ids,
+        identity,
+        device=device,
+        state=state,
+    )

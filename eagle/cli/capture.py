@@ -1,0 +1,23 @@
+"""`eagle-capture`: run the target over the data splits and store its features for offline training.
+
+    eagle-capture target.path=... data=local data.path=FILE data.max_conversations=N \
+        capture.shard_size=N output_dir=PATH draft.algorithm=eagle1|eagle3
+
+Several processes: `accelerate launch --num_processes N -m eagle.cli.capture ...` on GPUs, or
+`torchrun --nproc_per_node N -m eagle.cli.capture ...` (GPUs or CPU); shard k goes to rank k % N.
+Re-running the same command (any N) resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+from eagle.cli.app import run_app
+
+
+def main() -> None:
+    from eagle.capture.runner import run_capture
+
+    run_app("capture", run_capture)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`eagle-train`: train a draft head on a capture (offline) or with the target in the loop (online).
+
+    eagle-train target.path=... train.mode=offline train.data_dir=CAPTURE_DIR train.max_steps=N \\
+        output_dir=PATH draft.algorithm=eagle1|eagle3
+    eagle-train train.mode=online data=local data.path=FILE ...         # features computed per batch
+    accelerate launch --num_processes 8 -m eagle.cli.train ...           # data parallel (DDP)
+
+The output dir holds checkpoints/ (resumable: run the same command again), best/ (the head later
+stages load) and metrics.jsonl. SIGINT/SIGTERM finish the current step, save and exit with status 0.
+"""
+
+from __future__ import annotations
+
+from eagle.cli.app import run_app
+from eagle.config import RootConfig
+
+
+def run(cfg: RootConfig) -> None:
+    from eagle.train.trainer import format_result, train
+
+    from accelerate.state import PartialState
+
+    from eagle.errors import EagleError
+
+    result = train(cfg)
+    if PartialState().is_main_process:
+        print(format_result(result))
+    if result.stopped == "nonfinite":
+        raise EagleError(
+            f"stopped on a non-finite loss or gradient after step {result.step} (train.nonfinite=stop); the last "
+            f"good state is saved in {result.last_checkpoint}. Lower train.lr / raise train.warmup_steps, check "
+            "the conversations named above, or resume with train.nonfinite=skip"
+        )
+
+
+def main() -> None:
+    run_app("train", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""One conversation record (ShareGPT or OpenAI format) -> a normalised `Conversation`.
+
+Policy for bad records, decided per error class:
+  * schema errors (a record that is not an object, no `conversations`/`messages` list, a turn without
+    role/content keys, non-string content, an unknown role) raise `DataError`: they mean the file is
+    not what the user thinks it is, and silently skipping would hide that.
+  * content problems that real scraped data has in bulk (ShareGPT: conversations split mid-way that
+    start with the assistant, empty turns, no assistant reply) raise `SkipRecord` with a short reason;
+    callers count them per reason and print the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eagle.errors import DataError
+
+# Role names seen in ShareGPT-style dumps and OpenAI-style records, mapped to the three roles that
+# chat templates understand.
+ROLE_MAP: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class Conversation:
+    """A conversation in the toolkit's normalised form: roles are system | user | assistant."""
+
+    id: str
+    messages: list[dict[str, str]]
+
+
+class SkipRecord(Exception):
+    """A record is well formed but unusable for training; `reason` is the counter key."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A turn's text: a string, or OpenAI content parts that are all text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise DataError(f"{where}: content part {str(part)[:80]!r} is not a text part "
+                                "({'type': 'text', 'text': ...}); only text conversations are supported")
+        return "".join(parts)
+    raise DataError(f"{where}: content must be a string, got {type(content).__name__} "
+                    f"({str(content)[:60]!r}); fix or remove this record")
+
+
+def detect_format(record: dict[str, Any], fmt: str, where: str) -> tuple[str, str]:
+    """(format, key holding the turns) for a record, per `data.format` (auto | sharegpt | openai)."""
+    if fmt == "sharegpt" or (fmt == "auto" and "conversations" in record):
+        key = "conversations"
+    elif fmt == "openai" or (fmt == "auto" and "messages" in record):
+        key = "messages"
+    else:
+        raise DataError(f"{where}: no 'conversations' (ShareGPT) or 'messages' (OpenAI) field; keys are "
+                        f"{sorted(map(str, record))[:10]}; convert the file or set data.format")
+    if key not in record:
+        raise DataError(f"{where}: data.format={fmt} needs a {key!r} field; keys are {sorted(map(str, record))[:10]}")
+    return ("sharegpt" if key == "conversations" else "openai"), key
+
+
+def normalise_record(
+    record: Any,
+    *,
+    index: int,
+    source: str,
+    fmt: str = "auto",
+    system_prompt: str | None = None,
+) -> Conversation:
+    """Normalise one record; raise `DataError` on schema errors, `SkipRecord` on unusable content.
+
+    `index` is the record's position in its file (used for the id when the record has none and in
+    messages), `source` names the file or data set. Trailing turns after the last assistant turn are
+    dropped: nothing in them is ever a training target.
+    """
+    where = f"{source}: record {index}"
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected an object with 'conversations' or 'messages', "
+                        f"got {type(record).__name__}")
+    rid = record.get("id", record.get("conversation_id"))
+    if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid).strip():
+        cid = str(rid)
+        where = f"{source}: record {index} (id {cid!r})"
+    else:
+        cid = f"{index}"
+    _, key = detect_format(record, fmt, where)
+    turns = record[key]
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: field {key!r} must be a list of turns, got {type(turns).__name__}")
+    messages: list[dict[str, str]] = []
+    for j, turn in enumerate(turns):
+        at = f"{where}, turn {j}"
+        if not isinstance(turn, dict):
+            raise DataError(f"{at}: a turn must be an object, got {type(turn).__name__}")
+        # Accept either key pair in either container: many Hub sets mix them (role/content under
+        # 'conversations'), and the pairs cannot be confused.
+        if "from" in turn and "value" in turn:
+            raw_role, content = turn["from"], turn["value"]
+        elif "role" in turn and "content" in turn:
+            raw_role, content = turn["role"], turn["content"]
+        else:
+            raise DataError(f"{at}: a turn needs 'from'+'value' (ShareGPT) or 'role'+'content' (OpenAI); "
+                            f"keys are {sorted(map(str, turn))}")
+        if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_MAP:
+            raise DataError(f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
+                            "Filter or rename these turns")
+        messages.append({"role": ROLE_MAP[raw_role.strip().lower()], "content": _text_of(content, at)})
+
+    record_system = record.get("system")
+    if record_system is not None and not isinstance(record_system, str):
+        raise DataError(f"{where}: field 'system' must be a string, got {type(record_system).__name__}")
+    if not any(m["role"] == "system" for m in messages):
+        extra = record_system if record_system and record_system.strip() else system_prompt
+        if extra:
+            messages.insert(0, {"role": "system", "content": extra})
+    check_messages(messages)
+    return Conversation(id=cid, messages=trim_trailing(messages))
+
+
+def trim_trailing(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop turns after the last assistant turn."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[: last + 1]
+
+
+def check_messages(messages: list[dict[str, str]]) -> None:
+    """Raise `SkipRecord` unless: optional leading system, then user/assistant alternating from user,
+    no empty turn, and at least one assistant turn. Strict alternation is what most chat templates
+    (Mistral, Gemma, Llama-2) enforce; checking it here turns template exceptions into counted skips."""
+    if not messages:
+        raise SkipRecord("empty_conversation")
+    if any(not m["content"].strip() for m in messages):
+        raise SkipRecord("empty_turn")
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    if not any(m["role"] == "assistant" for m in body):
+        raise SkipRecord("no_assistant_turn")
+    if body[0]["role"] != "user":
+        raise SkipRecord("starts_with_assistant" if body[0]["role"] == "assistant" else "misplaced_system")
+    for k, m in enumerate(body):
+        expected = "user" if k % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise SkipRecord("misplaced_system" if m["role"] == "system" else "roles_not_alternating")

@@ -1,0 +1,123 @@
+"""Acceptance of a verified draft tree: pure functions on the target's logits.
+
+The rule (greedy and sampling alike). At every tree node the target picks its next token y from its
+own processed distribution p (argmax at temperature 0; otherwise a sample after temperature, top-k and
+top-p). Starting at the root, walk to the child whose token equals y; stop at the first node without
+such a child and emit y there as the bonus token.
+
+Why this preserves the target distribution: drafts in our trees are chosen deterministically (draft
+top-k, not sampled), which is multi-draft rejection sampling with one-hot draft distributions
+q = 1[x_i]: accepting sibling x_1 with probability min(1, p(x_1) / 1) = p(x_1), then continuing with
+the residual norm(max(p - q, 0)) (= p without x_1), and so on, emits x_i with probability exactly
+p(x_i) and otherwise a token from p restricted to non-drafted tokens. That is the same law as one draw
+y ~ p followed by the walk above, which is what we implement (one draw per node; a node's draw is
+used only if the walk reaches it, so draws at different nodes are independent as required). The
+emitted sequence is therefore distributed exactly as target sampling, token by token, for any head;
+the head only decides how often a draw lands on a drafted child. At temperature 0 this is exactly
+the target's greedy decoding. The draft's own probabilities q are not needed (which is why
+rejection with the head's q, as in EAGLE's code, is not used with top-k trees: it is biased there).
+`multi_draft_reference` implements the sequential one-hot rejection literally; tests check that it
+and `accept_tree` have the same law.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after temperature, top-k and top-p (nucleus).
+
+    temperature 0 gives the one-hot argmax distribution. Top-p keeps the smallest set of most likely
+    tokens whose mass reaches top_p (the token crossing the threshold included), like HF's warper.
+    """
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    scores = logits.float() / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p  # never drops the first token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def target_choices(
+    logits: torch.Tensor,  # [N + 1, V] target logits at every tree node
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """[N + 1] the target's next token at every node: argmax, or one independent sample per node."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = process_logits(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@dataclass
+class Acceptance:
+    nodes: torch.Tensor  # [A + 1] accepted tree nodes, root first
+    tokens: list[int]  # accepted draft tokens followed by the bonus token (A + 1 tokens)
+
+
+def accept_tree(
+    tree_tokens: torch.Tensor,  # [N + 1] node tokens (root included)
+    paths: torch.Tensor,  # [P, D + 1] retrieval paths, -1 padded
+    choices: torch.Tensor,  # [N + 1] target's token at each node
+) -> Acceptance:
+    """Longest root path whose every node's token equals the target's choice at its parent.
+
+    Siblings carry distinct tokens, so at most one path can match at each depth: the result is unique.
+    """
+    valid = paths >= 0  # [P, D + 1]
+    safe = paths.clamp(min=0)
+    # Node at column c (c >= 1) matches iff its token equals the choice at column c - 1.
+    match = (tree_tokens[safe[:, 1:]] == choices[safe[:, :-1]]) & valid[:, 1:]  # [P, D]
+    run = match.long().cumprod(dim=1).sum(dim=1)  # [P] accepted drafts along each path
+    best = int(run.argmax())
+    n = int(run[best])
+    nodes = safe[best, : n + 1]  # [A + 1]
+    tokens = tree_tokens[nodes[1:]].tolist() + [int(choices[nodes[-1]])]
+    return Acceptance(nodes=nodes, tokens=tokens)
+
+
+def accept_tree_reference(tree_tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], list[int]]:
+    """Loop version of `accept_tree`: (accepted nodes root first, emitted tokens)."""
+    node, nodes = 0, [0]
+    while True:
+        nxt = [c for c in range(len(parents)) if parents[c] == node and tree_tokens[c] == choices[node]]
+        if not nxt:
+            break
+        node = nxt[0]
+        nodes.append(node)
+    return nodes, [tree_tokens[n] for n in nodes[1:]] + [choices[node]]
+
+
+def multi_draft_reference(
+    p: torch.Tensor, drafts: list[int], generator: torch.Generator | None = None
+) -> tuple[int | None, int]:
+    """Sequential multi-draft rejection with one-hot draft distributions at one node (the literal rule).
+
+    p: [V] processed target distribution; drafts: sibling tokens in rank order. Returns
+    (index of the accepted sibling or None, emitted token).
+    """
+    residual = p.double().clone()
+    for i, x in enumerate(drafts):
+        total = float(residual.sum())
+        if total <= 0:
+            break
+        accept_prob = float(residual[x]) / total  # min(1, p'(x) / q(x)) with q = one-hot(x)
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
+            return i, x
+        residual[x] = 0.0  # norm(max(p' - q, 0)): the rejected draft loses all its mass
+    token = int(torch.multinomial(residual.float(), 1, generator=generator))
+    return None, token

@@ -1,0 +1,54 @@
+"""Keep only the accepted path in a KV cache after a tree verification.
+
+A verify pass appends the root and all N tree nodes to the cache (slots past_len .. past_len + N).
+Only the root and the accepted nodes survive: their entries are gathered into consecutive slots and
+the rest is cropped, so accepted tokens are never recomputed. The same code serves the target's and
+the head's `transformers.DynamicCache`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+
+def _layers(cache: Cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(cache).__name__} has no .layers; expected a transformers 5 DynamicCache")
+    return layers
+
+
+def crop_cache(cache: Cache, length: int) -> None:
+    """Drop every entry at or after `length`."""
+    for layer in _layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def keep_cache_entries(cache: Cache, start: int, keep: torch.Tensor) -> None:
+    """Keep slots `start + keep` (sorted, keep[j] >= j) at start .. start + len(keep) - 1; drop the rest.
+
+    keep: [K] offsets relative to `start` (the accepted path, root first).
+    """
+    n = int(keep.numel())
+    contiguous = bool((keep == torch.arange(n, device=keep.device)).all())
+    for layer in _layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if contiguous:  # a chain prefix is already in place
+            layer.keys = layer.keys[..., : start + n, :]
+            layer.values = layer.values[..., : start + n, :]
+            continue
+        idx = (keep + start).to(layer.keys.device)
+        # index_select copies before the slice assignment, so overlapping source/destination is safe.
+        k = layer.keys.index_select(-2, idx)  # [B, H, K, D]
+        v = layer.values.index_select(-2, idx)
+        layer.keys = torch.cat([layer.keys[..., :start, :], k], dim=-2)
+        layer.values = torch.cat([layer.values[..., :start, :], v], dim=-2)
+
+
+def cache_length(cache: Cache) -> int:
+    return int(cache.get_seq_length())

@@ -1,0 +1,164 @@
+"""Drafting a tree with the head over its own KV cache.
+
+The head's cache holds one entry per committed pair (token x_{t+1}, target feature f_t) — see
+`eagle.heads.base` for the alignment. The last committed entry is the root (the newest accepted
+token); its output hidden state `root_hidden` predicts the root's children. Each further depth level
+feeds the current frontier nodes (token, their parent's output hidden) in one head forward, where each
+frontier node attends to the committed prefix, its drafted ancestors and itself. Draft entries are
+cropped from the head cache once the tree is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle.decode.cache import cache_length, crop_cache
+from eagle.decode.tree import StaticTree, Tree, reindex_parents, select_dynamic, tree_mask
+from eagle.heads.base import DraftHead
+
+
+@dataclass
+class DraftPool:
+    """Candidates drafted for a dynamic tree, in breadth-first order (parents before children)."""
+
+    tokens: torch.Tensor  # [M] target ids
+    parents: torch.Tensor  # [M] pool index of the parent, -1 = the root
+    scores: torch.Tensor  # [M] cumulative draft log-probability
+    depths: torch.Tensor  # [M] 1 for the root's children
+
+
+def head_commit(
+    head: DraftHead,
+    cache,
+    tokens: torch.Tensor,  # [T] target ids x_{t+1}
+    features: torch.Tensor,  # [T, k, H_target] target features f_t
+    positions: torch.Tensor,  # [T] positions of `tokens`
+) -> torch.Tensor:
+    """Append T committed entries to the head cache; return the last output hidden [H]."""
+    hidden = head.project_features(features[None])  # [1, T, H]
+    out = head(tokens[None], hidden, positions[None], attention_mask=None, past_key_values=cache)  # [1, T, H]
+    return out[0, -1]
+
+
+def _log_probs(head: DraftHead, hidden: torch.Tensor) -> torch.Tensor:
+    """[F, H] head output -> [F, V_draft] log-probabilities."""
+    return torch.log_softmax(head.logits(hidden[None])[0].float(), dim=-1)
+
+
+def _draft_forward(
+    head: DraftHead,
+    cache,
+    committed: int,
+    tokens: torch.Tensor,  # [F] target ids of the frontier
+    hidden_in: torch.Tensor,  # [F, H] parents' output hidden
+    position: int,
+    draft_mask: torch.Tensor,  # [F, S + F] bool over draft entries already cached + the frontier
+) -> torch.Tensor:
+    """One depth level: frontier nodes attend to the committed prefix and their draft ancestors."""
+    f = tokens.numel()
+    prefix = torch.ones(f, committed, dtype=torch.bool, device=tokens.device)
+    mask = torch.cat([prefix, draft_mask], dim=1)[None, None]  # [1, 1, F, committed + S + F]
+    pos = torch.full((1, f), position, dtype=torch.long, device=tokens.device)
+    return head(tokens[None], hidden_in[None], pos, attention_mask=mask, past_key_values=cache)[0]  # [F, H]
+
+
+@torch.inference_mode()
+def draft_pool(
+    head: DraftHead,
+    cache,
+    root_hidden: torch.Tensor,  # [H]
+    root_position: int,
+    top_k: int,
+    depth: int,
+) -> DraftPool:
+    """EAGLE-2 expansion: each level expands the top_k frontier nodes (by cumulative log-prob) into
+    top_k children each; every expanded child joins the candidate pool."""
+    committed = cache_length(cache)
+    device = root_hidden.device
+    logp = _log_probs(head, root_hidden[None])[0]  # [V_draft]
+    top = logp.topk(top_k)
+    tokens = [head.draft_to_target(top.indices)]
+    scores = [top.values]
+    parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]
+    depths = [torch.ones(top_k, dtype=torch.long, device=device)]
+    frontier = torch.arange(top_k, device=device)  # pool indices
+    frontier_hidden = root_hidden[None].expand(top_k, -1)  # [F, H] input hidden of each frontier node
+    anc = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # [F, S] draft ancestors in the cache
+    size = top_k
+    for d in range(1, depth):
+        f = frontier.numel()
+        front_tokens = torch.cat(tokens)[frontier]
+        front_scores = torch.cat(scores)[frontier]
+        eye = torch.eye(f, dtype=torch.bool, device=device)
+        self_anc = torch.cat([anc, eye], dim=1)  # [F, S + F]
+        out = _draft_forward(head, cache, committed, front_tokens, frontier_hidden, root_position + d, self_anc)
+        top = _log_probs(head, out).topk(top_k, dim=-1)  # [F, k]
+        cand = (front_scores[:, None] + top.values).flatten()  # [F * k]
+        tokens.append(head.draft_to_target(top.indices).flatten())
+        scores.append(cand)
+        parents.append(frontier.repeat_interleave(top_k))
+        depths.append(torch.full((f * top_k,), d + 1, dtype=torch.long, device=device))
+        best = cand.topk(min(top_k, cand.numel())).indices  # [F'] next frontier among the new children
+        parent_row = best // top_k
+        frontier = size + best
+        frontier_hidden = out[parent_row]
+        anc = self_anc[parent_row]  # a child's draft ancestors = its parent's ancestors + the parent
+        size += f * top_k
+    crop_cache(cache, committed)
+    return DraftPool(torch.cat(tokens), torch.cat(parents), torch.cat(scores), torch.cat(depths))
+
+
+def tree_from_pool(pool: DraftPool, root_token: int, total_tokens: int) -> Tree:
+    """Keep the best `total_tokens` candidates as the verification tree (see `select_dynamic`)."""
+    kept = select_dynamic(pool.scores, pool.parents, total_tokens)  # [N]
+    device = pool.tokens.device
+    root = torch.tensor([root_token], dtype=torch.long, device=device)
+    return Tree(
+        tokens=torch.cat([root, pool.tokens[kept]]),
+        parents=torch.cat([torch.tensor([-1], device=device), reindex_parents(kept, pool.parents)]),
+        depths=torch.cat([torch.zeros(1, dtype=torch.long, device=device), pool.depths[kept]]),
+    )
+
+
+@torch.inference_mode()
+def draft_static(
+    head: DraftHead,
+    cache,
+    root_token: int,
+    root_hidden: torch.Tensor,  # [H]
+    root_position: int,
+    spec: StaticTree,
+) -> Tree:
+    """Fill a static tree: the child of rank r is the parent's r-th most likely draft token."""
+    committed = cache_length(cache)
+    device = root_hidden.device
+    parents = torch.tensor(spec.parents, dtype=torch.long, device=device)
+    ranks = torch.tensor(spec.ranks, dtype=torch.long, device=device)
+    depths = torch.tensor(spec.depths, dtype=torch.long, device=device)
+    n = parents.numel()
+    full_mask = tree_mask(parents)  # [N + 1, N + 1]
+    has_child = torch.zeros(n, dtype=torch.bool, device=device)
+    has_child[parents[1:]] = True
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    tokens[0] = root_token
+    out_hidden = torch.zeros(n, root_hidden.shape[-1], dtype=root_hidden.dtype, device=device)
+    out_hidden[0] = root_hidden
+    fed = torch.zeros(0, dtype=torch.long, device=device)  # nodes with entries in the head cache, in order
+    max_rank = int(ranks.max()) + 1 if n > 1 else 1
+    for d in range(spec.max_depth):
+        level = ((depths == d) & has_child).nonzero().squeeze(1)  # [F] parents of depth-(d+1) nodes
+        if d > 0:  # depth 0 is the root, already in the committed prefix
+            order = torch.cat([fed, level])
+            hidden_in = out_hidden[parents[level]]
+            out = _draft_forward(head, cache, committed, tokens[level], hidden_in, root_position + d,
+                                 full_mask[level][:, order])
+            out_hidden[level] = out
+            fed = order
+        top = _log_probs(head, out_hidden[level]).topk(max_rank, dim=-1).indices  # [F, R]
+        children = ((depths == d + 1)).nonzero().squeeze(1)  # [C]
+        row = (parents[children][:, None] == level[None, :]).float().argmax(1)  # [C] parent's row in `level`
+        tokens[children] = head.draft_to_target(top[row, ranks[children]])
+    crop_cache(cache, committed)
+    return Tree(tokens=tokens, parents=parents, depths=depths)

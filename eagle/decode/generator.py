@@ -1,0 +1,221 @@
+"""Lossless tree speculative decoding (batch size 1) and the plain autoregressive baseline.
+
+One step: the head drafts a tree below the root (the newest accepted token); one target forward
+verifies root + tree under the tree mask; `accept_tree` picks the accepted path plus a bonus token;
+both KV caches keep only the accepted path; the head commits the accepted tokens with the target
+features of that same verify pass, which also gives the hidden state drafting the next tree.
+
+Counting: `target_forwards` counts verify passes (prefill excluded); `accept_lengths[i]` is the number
+of tokens step i emitted (accepted drafts + the bonus token), so the mean acceptance length is
+mean(accept_lengths) and tokens / target_forwards is the same figure up to the prefill's first token.
+Batch size is 1: per-sequence accepted lengths differ, and a batched version would need ragged caches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eagle.config import DecodeConfig
+from eagle.decode.accept import accept_tree, target_choices
+from eagle.decode.autotree import choose_tree_size, time_verify_passes
+from eagle.decode.cache import keep_cache_entries
+from eagle.decode.draft import draft_pool, draft_static, head_commit, tree_from_pool
+from eagle.decode.stopping import StopChecker, eos_ids
+from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.decode.tree import compile_static_tree
+from eagle.errors import EagleError
+from eagle.heads.base import DraftHead
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0  # target prompt forward (also counted in target_s)
+    target_s: float = 0.0  # all target forwards, prefill included
+    draft_s: float = 0.0  # all head forwards (commits and drafting)
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Time spent outside target and head forwards: the decoder's own cost."""
+        return self.total_s - self.target_s - self.draft_s
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only
+    target_forwards: int  # decoding target forwards, prefill excluded
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify pass (bonus included)
+    accepted_depths: list[int] = field(default_factory=list)  # accepted draft nodes per verify pass
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per pass
+    timings: Timings = field(default_factory=Timings)
+    stop_reason: str = "max_new_tokens"  # eos | stop_string | max_new_tokens
+
+
+def _as_ids(input_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise EagleError(f"input_ids has batch size {ids.shape[0]}; the speculative decoder takes one prompt")
+        ids = ids[0]
+    if ids.numel() == 0:
+        raise EagleError("input_ids is empty; give at least one prompt token")
+    return ids.to(device)
+
+
+def _model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+class SpeculativeGenerator:
+    """EAGLE tree speculative decoding whose output follows the target's own (greedy or sampled) law."""
+
+    def __init__(self, target: Any, head: DraftHead, tokenizer: Any, decode_cfg: DecodeConfig,
+                 device: torch.device | str | None = None) -> None:
+        self.target = target
+        self.head = head.eval()
+        self.tokenizer = tokenizer
+        self.cfg = decode_cfg
+        self.device = torch.device(device) if device is not None else _model_device(target)
+        self.windows = layer_windows(target.config)
+        self.feature_ids = list(head.feature_layer_ids())
+        self.eos = eos_ids(tokenizer, target)
+        self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
+        self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
+        self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
+        self.last_result: GenerationResult | None = None
+
+    # --- one step pieces -------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        return target_choices(logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
+
+    def _draft(self, head_cache, root: int, root_hidden: torch.Tensor, root_pos: int):
+        c = self.cfg
+        if self.static is not None:
+            return draft_static(self.head, head_cache, root, root_hidden, root_pos, self.static)
+        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth)
+        total = c.tree_total_tokens
+        if c.tree == "auto":
+            total = choose_tree_size(self.verify_times or {}, pool.scores, default=total)
+        return tree_from_pool(pool, root, total)
+
+    def calibrate(self, context_len: int = 128) -> dict[int, float]:
+        """Auto tree: time one verify pass per candidate size on this machine (done once)."""
+        if self.verify_times is None:
+            self.verify_times = time_verify_passes(self.target, self.cfg.auto_candidates, context_len,
+                                                   self.windows, self.device)
+        return self.verify_times
+
+    # --- decoding --------------------------------------------------------------------------------
+    def stream(self, input_ids: list[int] | torch.Tensor) -> Iterator[list[int]]:
+        """Yield the newly accepted tokens of every step; the summary lands in `self.last_result`."""
+        if self.cfg.tree == "auto":
+            self.calibrate()
+        t_start = time.perf_counter()
+        prompt = _as_ids(input_ids, self.device)
+        res = GenerationResult(tokens=[], target_forwards=0)
+        self.last_result = res
+        stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
+        tcache, hcache = new_cache(), new_cache()
+        n = prompt.numel()
+
+        t0 = time.perf_counter()
+        out = target_forward(self.target, prompt, torch.arange(n, device=self.device), tcache,
+                             feature_layer_ids=self.feature_ids, windows=self.windows)
+        root = int(self._choose(out.logits[-1:])[0])
+        res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
+        emitted = stop.push([root])
+        res.tokens += emitted
+        yield emitted
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            commit_tokens = torch.cat([prompt[1:], torch.tensor([root], device=self.device)])
+            root_hidden = head_commit(self.head, hcache, commit_tokens, out.features,
+                                      torch.arange(1, n + 1, device=self.device))
+        res.timings.draft_s += time.perf_counter() - t0
+        root_pos = n  # = target cache length: the root is not yet in it
+
+        while not stop.done:
+            t0 = time.perf_counter()
+            tree = self._draft(hcache, root, root_hidden, root_pos)
+            t1 = time.perf_counter()
+            out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
+                                 feature_layer_ids=self.feature_ids, windows=self.windows)
+            t2 = time.perf_counter()
+            acc = accept_tree(tree.tokens, tree.retrieval_paths(), self._choose(out.logits))
+            keep_cache_entries(tcache, root_pos, acc.nodes)
+            emitted = stop.push(acc.tokens)
+            res.tokens += emitted
+            res.target_forwards += 1
+            res.accept_lengths.append(len(emitted))
+            res.accepted_depths.append(len(acc.tokens) - 1)
+            res.tree_sizes.append(tree.size)
+            res.timings.draft_s += t1 - t0
+            res.timings.target_s += t2 - t1
+            yield emitted
+            if stop.done:
+                break
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
+                m = new.numel()
+                root_hidden = head_commit(self.head, hcache, new, out.features[acc.nodes],
+                                          torch.arange(root_pos + 1, root_pos + m + 1, device=self.device))
+            res.timings.draft_s += time.perf_counter() - t0
+            root, root_pos = acc.tokens[-1], root_pos + m
+        res.stop_reason = stop.reason or "max_new_tokens"
+        res.timings.total_s = time.perf_counter() - t_start
+
+    def generate(self, input_ids: list[int] | torch.Tensor) -> GenerationResult:
+        """Decode until EOS, a stop string or max_new_tokens."""
+        for _ in self.stream(input_ids):
+            pass
+        assert self.last_result is not None
+        return self.last_result
+
+
+def autoregressive_generate(
+    target: Any,
+    tokenizer: Any,
+    input_ids: list[int] | torch.Tensor,
+    decode_cfg: DecodeConfig,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """One target forward per token over the same cache and mask code (the eval's baseline)."""
+    device = torch.device(device) if device is not None else _model_device(target)
+    windows = layer_windows(target.config)
+    rng = generator if generator is not None else torch.Generator(device=device).manual_seed(decode_cfg.seed)
+    c = decode_cfg
+    t_start = time.perf_counter()
+    prompt = _as_ids(input_ids, device)
+    res = GenerationResult(tokens=[], target_forwards=0)
+    stop = StopChecker(tokenizer, eos_ids(tokenizer, target), c.stop_strings, c.max_new_tokens)
+    cache = new_cache()
+    ids, pos = prompt, torch.arange(prompt.numel(), device=device)
+    while True:
+        t0 = time.perf_counter()
+        out = target_forward(target, ids, pos, cache, windows=windows)
+        dt = time.perf_counter() - t0
+        tok = int(target_choices(out.logits[-1:], c.temperature, c.top_k, c.top_p, generator=rng)[0])
+        res.timings.target_s += dt
+        if ids is prompt:
+            res.timings.prefill_s = dt
+        else:
+            res.target_forwards += 1
+            res.accept_lengths.append(1)
+            res.accepted_depths.append(0)
+        res.tokens += stop.push([tok])
+        if stop.done:
+            break
+        ids = torch.tensor([tok], device=device)
+        pos = pos[-1:] + 1
+    res.stop_reason = stop.reason or "max_new_tokens"
+    res.timings.total_s = time.perf_counter() - t_start
+    return res

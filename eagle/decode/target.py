@@ -1,0 +1,142 @@
+"""Target forwards over a KV cache with an explicit 4D (tree) attention mask, for any HF causal LM.
+
+transformers 5 passes a 4D mask through unchanged (`masking_utils._preprocess_mask_arguments`), so
+the mask we build is exactly what every layer sees:
+  * sdpa: bool [B, 1, T_q, T_past + T_q], True = may attend; eager: the same as an additive float
+    mask (0 / dtype min). Flash attention cannot take an arbitrary mask and is refused.
+  * Sliding-window layers (Gemma 2/3, Mistral with sliding_window, Qwen with use_sliding_window)
+    would lose their window with a plain 4D mask, so we AND the window in ourselves from position
+    ids (key visible iff q_pos - k_pos < window, transformers' own rule). Models with several layer
+    types get a {layer_type: mask} dict, which those models accept in place of their own masks.
+  * The cache is a config-less `DynamicCache` (full layers): sliding layers keep all keys and the
+    mask hides the old ones, so cropping and gathering after verification is uniform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from eagle.errors import TargetError
+from eagle.targets import text_config
+
+_WINDOWED = ("sliding_attention",)
+_FULL = ("full_attention",)
+
+
+def layer_windows(config: Any) -> dict[str, int | None]:
+    """{layer_type: sliding window or None} for the target's decoder layers."""
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not types:
+        # Single-type models (Llama, Mistral): one mask for all layers, windowed if the config says so.
+        use = getattr(text, "use_sliding_window", True)
+        return {"full_attention": window if (window and use) else None}
+    out: dict[str, int | None] = {}
+    for t in set(types):
+        if t in _WINDOWED:
+            out[t] = window
+        elif t in _FULL:
+            out[t] = None
+        else:
+            raise TargetError(
+                f"target layer type {t!r} ({text.model_type}) cannot verify a draft tree with an attention mask; "
+                "speculative tree decoding supports full and sliding-window attention layers"
+            )
+    return out
+
+
+def check_attention(model: Any) -> str:
+    """The attention implementation, if it can take a custom 4D mask."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        raise TargetError(
+            f"attn_implementation={impl!r} cannot take a tree attention mask; load the target with "
+            "target.attn_implementation=sdpa (or eager)"
+        )
+    return impl
+
+
+def build_attention_mask(
+    model: Any,
+    tree_mask: torch.Tensor,  # [T_q, T_q] bool, the new tokens among themselves
+    past_len: int,
+    position_ids: torch.Tensor,  # [T_q] positions of the new tokens
+    windows: dict[str, int | None] | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask argument for a target forward of T_q new tokens after `past_len` cached ones.
+
+    Cached tokens are the plain sequence 0 .. past_len - 1 (positions = indices), all visible except
+    outside a sliding window. Returns [1, 1, T_q, past_len + T_q] (or a dict of them per layer type).
+    """
+    impl = check_attention(model)
+    windows = windows if windows is not None else layer_windows(model.config)
+    tq = tree_mask.shape[0]
+    device = tree_mask.device
+    base = torch.cat([torch.ones(tq, past_len, dtype=torch.bool, device=device), tree_mask], dim=1)  # [T_q, T_kv]
+    k_pos = torch.cat([torch.arange(past_len, device=device), position_ids])  # [T_kv]
+    masks: dict[str, torch.Tensor] = {}
+    for layer_type, window in windows.items():
+        m = base
+        if window:
+            m = m & ((position_ids.unsqueeze(1) - k_pos.unsqueeze(0)) < window)  # [T_q, T_kv]
+        m = m[None, None]  # [1, 1, T_q, T_kv]
+        if impl == "eager":
+            dtype = model.dtype
+            m = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+        masks[layer_type] = m
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return masks
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [T_q, V]
+    features: torch.Tensor | None  # [T_q, k, H] the head's feature layers, or None
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """output_hidden_states (L + 1 of [B, T, H]) -> [B, T, k, H] for the head's `feature_layer_ids()`.
+
+    Same indexing as `eagle.capture.features.extract_features`: id i = hidden_states[i]; -1 is the
+    post-norm final state (transformers 5 stores the normed state last).
+    """
+    return torch.stack([hidden_states[i] for i in layer_ids], dim=2)
+
+
+def new_cache() -> DynamicCache:
+    """A cache of full (uncropped) layers; see the module docstring for why no config is passed."""
+    return DynamicCache()
+
+
+@torch.inference_mode()
+def target_forward(
+    model: Any,
+    input_ids: torch.Tensor,  # [T_q]
+    position_ids: torch.Tensor,  # [T_q]
+    cache: DynamicCache,
+    tree_mask: torch.Tensor | None = None,  # [T_q, T_q] bool; None = causal
+    feature_layer_ids: list[int] | None = None,
+    windows: dict[str, int | None] | None = None,
+) -> TargetOutput:
+    """One target forward of T_q new tokens over `cache` (which it extends by T_q entries)."""
+    past = cache.get_seq_length()
+    if tree_mask is None:
+        tree_mask = torch.ones(input_ids.numel(), input_ids.numel(), dtype=torch.bool, device=input_ids.device).tril()
+    mask = build_attention_mask(model, tree_mask, past, position_ids, windows)
+    out = model(
+        input_ids=input_ids[None],
+        position_ids=position_ids[None],
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=bool(feature_layer_ids),
+        return_dict=True,
+    )
+    feats = select_features(out.hidden_states, feature_layer_ids)[0] if feature_layer_ids else None
+    return TargetOutput(logits=out.logits[0], features=feats)

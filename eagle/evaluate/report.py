@@ -1,0 +1,235 @@
+"""Aggregate per-turn measurements into `report.json` / `report.md` (both written atomically).
+
+Per-turn records (built by the runner) look like
+  {"turn": 0, "prompt_tokens": 41,
+   "methods": {"speculative": {"tokens": [...], "seconds": 0.8, "target_forwards": 12,
+                               "accept_lengths": [...], "timings": {...}, "stop_reason": "eos"},
+               "hf_generate": {"tokens": [...], "seconds": 1.9}, ...},
+   "greedy_match": true | None, "first_mismatch": None | int}
+and are grouped per prompt. Everything in the report is recomputable from `per_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle.evaluate import metrics
+
+SPEC = "speculative"
+
+
+def hardware_info(device: torch.device | str) -> dict[str, Any]:
+    """What the timings were measured on: CPU model, torch threads, library versions, accelerator."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["accelerator"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """One `per_prompt` entry: totals over the prompt's turns plus the per-turn details."""
+    spec = [t["methods"][SPEC] for t in turns]
+    matches = [t["greedy_match"] for t in turns]
+    methods = sorted({m for t in turns for m in t["methods"]})
+    return {
+        "id": prompt_id,
+        "category": category,
+        "new_tokens": sum(len(s["tokens"]) for s in spec),
+        "target_forwards": sum(int(s["target_forwards"]) for s in spec),
+        "accept_lengths": [int(n) for s in spec for n in s["accept_lengths"]],
+        "tree_sizes": [int(n) for s in spec for n in s.get("tree_sizes", [])],
+        "seconds": {m: sum(t["methods"][m]["seconds"] for t in turns if m in t["methods"]) for m in methods},
+        "tokens_by_method": {m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"])
+                             for m in methods},
+        "greedy_match": None if any(x is None for x in matches) else all(matches),
+        "turns": [
+            {
+                "turn": t["turn"],
+                "prompt_tokens": t["prompt_tokens"],
+                "new_tokens": len(t["methods"][SPEC]["tokens"]),
+                "target_forwards": int(t["methods"][SPEC]["target_forwards"]),
+                "stop_reason": t["methods"][SPEC].get("stop_reason"),
+                "greedy_match": t["greedy_match"],
+                "first_mismatch": t.get("first_mismatch"),
+                "timings": t["methods"][SPEC].get("timings", {}),
+                "answer": t.get("answer", ""),
+            }
+            for t in turns
+        ],
+    }
+
+
+def _overhead(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Where the speculative decoder's time goes, summed over all turns.
+
+    `decoder_overhead_share` is everything speculative decoding adds on top of the target's own
+    forwards (head forwards + tree building, acceptance and cache bookkeeping), as a share of the
+    decoder's total time; `draft_share` and `bookkeeping_share` split it.
+    """
+    totals: dict[str, float] = {}
+    for p in per_prompt:
+        for t in p["turns"]:
+            for k, v in (t.get("timings") or {}).items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+    steps = sum(len(p["accept_lengths"]) for p in per_prompt)
+    total, target = totals.get("total_s", 0.0), totals.get("target_s", 0.0)
+    draft, prefill = totals.get("draft_s", 0.0), totals.get("prefill_s", 0.0)
+    bookkeeping = max(0.0, total - target - draft)
+
+    def share(x: float) -> float | None:
+        return x / total if total > 0 else None
+
+    def per_step_ms(x: float) -> float | None:
+        return 1000.0 * x / steps if steps else None
+
+    return {
+        "phase_seconds": totals,
+        "steps": steps,
+        "decoder_overhead_share": share(total - target),
+        "draft_share": share(draft),
+        "bookkeeping_share": share(bookkeeping),
+        "target_share": share(target),
+        "verify_ms_per_step": per_step_ms(target - prefill),
+        "draft_ms_per_step": per_step_ms(draft),
+        "bookkeeping_ms_per_step": per_step_ms(bookkeeping),
+        "overhead_ms_per_step": per_step_ms(draft + bookkeeping),
+    }
+
+
+def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_depth: int | None = None) -> dict[str, Any]:
+    """The headline numbers of a report, all recomputable from `per_prompt`."""
+    lengths = [n for p in per_prompt for n in p["accept_lengths"]]
+    forwards = sum(p["target_forwards"] for p in per_prompt)
+    methods = sorted({m for p in per_prompt for m in p["seconds"]})
+    by_method = {}
+    for m in methods:
+        seconds = sum(p["seconds"].get(m, 0.0) for p in per_prompt)
+        tokens = sum(p["tokens_by_method"].get(m, 0) for p in per_prompt)
+        by_method[m] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": metrics.throughput(tokens, seconds)}
+    spec_tps = by_method.get(SPEC, {}).get("tokens_per_s", 0.0)
+
+    def ratio(baseline: str) -> float | None:
+        # Throughput ratio: equal to baseline time / speculative time when both emit the same tokens
+        # (always so at temperature 0), and still fair when sampled outputs differ in length.
+        base = by_method.get(baseline, {}).get("tokens_per_s", 0.0)
+        return spec_tps / base if base > 0 and spec_tps > 0 else None
+
+    matches = [p["greedy_match"] for p in per_prompt]
+    greedy = None
+    if temperature == 0 and matches and all(m is not None for m in matches):
+        greedy = sum(1 for m in matches if m) / len(matches)
+    rates = metrics.accept_rate_by_depth(lengths, tree_depth)
+    sizes = [n for p in per_prompt for n in p.get("tree_sizes", [])]
+    decoder = _overhead(per_prompt)
+    report = {
+        "num_prompts": len(per_prompt),
+        "num_turns": sum(len(p["turns"]) for p in per_prompt),
+        "new_tokens": sum(p["new_tokens"] for p in per_prompt),
+        "target_forwards": forwards,
+        "tau": metrics.tau(lengths, forwards),
+        "accept_rate_by_depth": rates,
+        "accept_fraction_by_depth": metrics.accept_fraction_by_depth(lengths, tree_depth),
+        "accept_length_histogram": {str(k): v for k, v in metrics.histogram(lengths).items()},
+        "mean_tree_size": sum(sizes) / len(sizes) if sizes else None,
+        "tokens_per_s": spec_tps,
+        "baseline_tokens_per_s": by_method.get("hf_generate", {}).get("tokens_per_s"),
+        "speedup": ratio("hf_generate"),
+        "speedup_vs_prompt_lookup": ratio("prompt_lookup"),
+        "speedup_vs_autoregressive": ratio("autoregressive"),
+        "speedup_basis": "tokens/s ratio (= baseline time / speculative time when outputs are equal)",
+        "greedy_match": greedy,
+        "methods": by_method,
+        "decoder": decoder,
+        "decoder_overhead_share": decoder["decoder_overhead_share"],
+    }
+    return report
+
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A short human-readable summary of `report` (what a model card or PR description needs)."""
+    s = report["settings"]
+    lines = [
+        f"# eagle-eval: {s['target']} + {s['draft_path']}",
+        "",
+        f"Prompts: {s['prompts']} ({report['num_prompts']} prompts, {report['num_turns']} turns, turns={s['turns']}), "
+        f"temperature {s['temperature']}, max_new_tokens {s['max_new_tokens']}, tree {s['tree']}.",
+        f"Hardware: {s['hardware']['cpu']}, {s['hardware']['torch_threads']} torch threads, device "
+        f"{s['hardware']['device']}, torch {s['hardware']['torch_version']}.",
+        "",
+        "| method | tokens | seconds | tokens/s | speculative speedup |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    key = {"hf_generate": "speedup", "prompt_lookup": "speedup_vs_prompt_lookup",
+           "autoregressive": "speedup_vs_autoregressive"}
+    for name, m in report["methods"].items():
+        sp = "-" if name == SPEC else _fmt(report.get(key.get(name, ""))) + "x"
+        lines.append(f"| {name} | {m['tokens']} | {_fmt(m['seconds'])} | {_fmt(m['tokens_per_s'], 1)} | {sp} |")
+    dec = report["decoder"]
+    lines += [
+        "",
+        f"- tau (tokens per target forward, bonus included): **{_fmt(report['tau'])}**",
+        f"- acceptance rate by depth: {', '.join(_fmt(r) for r in report['accept_rate_by_depth']) or 'n/a'}",
+        f"- greedy match with HF generate: {_fmt(report['greedy_match'])}",
+        f"- decoder overhead (share of speculative time outside target forwards): "
+        f"{_fmt(dec.get('decoder_overhead_share'))} = head {_fmt(dec.get('draft_share'))} + bookkeeping "
+        f"{_fmt(dec.get('bookkeeping_share'))}; per step: verify {_fmt(dec.get('verify_ms_per_step'))} ms, "
+        f"head {_fmt(dec.get('draft_ms_per_step'))} ms, bookkeeping {_fmt(dec.get('bookkeeping_ms_per_step'))} ms",
+        f"- mean verified tree size: {_fmt(report.get('mean_tree_size'), 1)}",
+    ]
+    if report.get("tree_sweep"):
+        lines += ["", "| tree size | tau | tokens/s | speedup vs HF generate |", "|---:|---:|---:|---:|"]
+        for row in report["tree_sweep"]:
+            lines.append(f"| {row['tree_total_tokens']} | {_fmt(row['tau'])} | {_fmt(row['tokens_per_s'], 1)} | "
+                         f"{_fmt(row['speedup'])}x |")
+    if report.get("plots"):
+        lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report["plots"].values()]]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_report(report: dict[str, Any], output_dir: Path) -> tuple[Path, Path]:
+    """`report.json` and `report.md` in `output_dir`."""
+    output_dir = Path(output_dir)
+    j = write_atomic(output_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+    m = write_atomic(output_dir / "report.md", markdown(report))
+    return j, m

@@ -1,0 +1,319 @@
+"""`evaluate(cfg)`: speculative decoding vs plain decoding baselines on one prompt set, in one run.
+
+For every prompt turn, on identical input ids and with the same torch thread count, it times
+  * `speculative`   - the EAGLE tree decoder (`eagle.decode.generator.SpeculativeGenerator`);
+  * `autoregressive` - the target alone, one token per forward, with the same KV-cache code;
+  * `hf_generate`   - Hugging Face `generate` (the reference a user would otherwise run);
+  * `prompt_lookup` - HF prompt-lookup decoding (n-gram drafts from the prompt, no head).
+With `eval.turns=all` the next user turn follows the speculative decoder's own previous answer, so
+every method sees the same conversation. At temperature 0 the speculative tokens are compared with
+HF generate's, which must be identical. Measurements are appended per prompt to
+`eval_progress.jsonl`, so an interrupted run resumes where it stopped (same settings only).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eagle.config import ConfigError, DecodeConfig, RootConfig
+from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
+from eagle.evaluate import metrics, plots
+from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
+from eagle.evaluate.draft import load_draft, resolve_draft
+from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
+
+log = logging.getLogger(__name__)
+PROGRESS = "eval_progress.jsonl"
+
+TurnRunner = Callable[[torch.Tensor], dict[str, Any]]
+
+
+def resolve_device(cfg: RootConfig) -> torch.device:
+    """`cfg.device` if given, else accelerate's choice for this process."""
+    if cfg.device:
+        return torch.device(cfg.device)
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+def select_prompts(cfg: RootConfig) -> list[EvalPrompt]:
+    """The prompt set, cut to `eval.max_prompts` and to the first turn unless `eval.turns=all`."""
+    prompts = load_eval_prompts(cfg.eval.prompts)
+    if cfg.eval.max_prompts is not None:
+        prompts = prompts[: cfg.eval.max_prompts]
+    if cfg.eval.turns == "first":
+        prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
+    return prompts
+
+
+def answer_text(tokenizer: Any, tokens: list[int], stop_ids: list[int]) -> str:
+    """An assistant answer as text for the next turn's history (stop token and specials dropped)."""
+    while tokens and tokens[-1] in stop_ids:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def turn_inputs(tokenizer: Any, prompt: EvalPrompt, answers: list[str]) -> list[torch.Tensor]:
+    """Input ids of each turn: earlier turns carry the given assistant answers ([1, T] each)."""
+    messages: list[dict[str, str]] = []
+    inputs = []
+    for i, user in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": user})
+        inputs.append(encode_chat(tokenizer, messages))
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    return inputs
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
+    def run(input_ids: torch.Tensor) -> dict[str, Any]:
+        res, seconds = timed(lambda: generator.generate(input_ids))
+        timings = {k: float(v) for k, v in asdict(res.timings).items()}
+        timings["overhead_s"] = float(res.timings.overhead_s)
+        return {
+            "tokens": [int(t) for t in res.tokens],
+            "seconds": seconds,
+            "target_forwards": int(res.target_forwards),
+            "accept_lengths": [int(n) for n in res.accept_lengths],
+            "tree_sizes": [int(n) for n in res.tree_sizes],
+            "timings": timings,
+            "stop_reason": res.stop_reason,
+        }
+
+    return run
+
+
+def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: DecodeConfig) -> dict[str, TurnRunner]:
+    """The baselines named in `eval.baselines`, each as input_ids -> {tokens, seconds}."""
+    from eagle.decode.generator import autoregressive_generate
+
+    def autoregressive(input_ids: torch.Tensor) -> dict[str, Any]:
+        res, seconds = timed(lambda: autoregressive_generate(target, tokenizer, input_ids, decode))
+        return {"tokens": [int(t) for t in res.tokens], "seconds": seconds}
+
+    def hf(input_ids: torch.Tensor) -> dict[str, Any]:
+        return asdict(hf_generate(target, tokenizer, input_ids, decode))
+
+    def lookup(input_ids: torch.Tensor) -> dict[str, Any]:
+        return asdict(hf_generate(target, tokenizer, input_ids, decode, cfg.eval.prompt_lookup_num_tokens))
+
+    known = {"autoregressive": autoregressive, "hf_generate": hf, "prompt_lookup": lookup}
+    return {name: known[name] for name in cfg.eval.baselines}
+
+
+def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner], temperature: float,
+               stop_ids: list[int]) -> dict[str, Any]:
+    """All methods on every turn of one prompt; the history follows the speculative answers."""
+    turns: list[dict[str, Any]] = []
+    answers: list[str] = []
+    for i in range(len(prompt.turns)):
+        input_ids = turn_inputs(tokenizer, replace(prompt, turns=prompt.turns[: i + 1]), answers)[i]  # [1, T]
+        methods = {name: fn(input_ids) for name, fn in runners.items()}
+        spec = methods[SPEC]["tokens"]
+        record: dict[str, Any] = {"turn": i, "prompt_tokens": int(input_ids.shape[1]), "methods": methods,
+                                  "greedy_match": None, "first_mismatch": None}
+        if temperature == 0 and "hf_generate" in methods:
+            record["first_mismatch"] = first_mismatch(spec, methods["hf_generate"]["tokens"])
+            record["greedy_match"] = record["first_mismatch"] is None
+        answers.append(answer_text(tokenizer, spec, stop_ids))
+        record["answer"] = answers[-1]
+        turns.append(record)
+    return prompt_record(prompt.id, prompt.category, turns)
+
+
+def _fingerprint(cfg: RootConfig, decode: DecodeConfig) -> str:
+    keys = {"target": asdict(cfg.target), "draft": cfg.draft.path, "decode": asdict(decode),
+            "eval": {k: v for k, v in asdict(cfg.eval).items() if k not in ("tree_sweep", "warmup_prompts")}}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _load_progress(path: Path, fingerprint: str) -> dict[str, dict[str, Any]]:
+    """Finished prompt records of an earlier run with identical settings ({} otherwise)."""
+    if not path.is_file():
+        return {}
+    done: dict[str, dict[str, Any]] = {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if not lines or json.loads(lines[0]).get("fingerprint") != fingerprint:
+        log.warning("%s is from a run with other settings; starting over", path)
+        return {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash: that prompt runs again
+            continue
+        done[rec["id"]] = rec
+    return done
+
+
+def _append_progress(path: Path, fingerprint: str, record: dict[str, Any]) -> None:
+    new = not path.is_file() or path.stat().st_size == 0
+    with open(path, "a") as f:
+        if new:
+            f.write(json.dumps({"fingerprint": fingerprint}) + "\n")
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"tree": decode.tree}
+    if decode.tree == "static":
+        out["static_paths"] = decode.static_paths
+    else:
+        # tree=auto: tree_total_tokens is the fallback; each step picks from auto_candidates.
+        out.update(tree_top_k=decode.tree_top_k, tree_depth=decode.tree_depth,
+                   tree_total_tokens=decode.tree_total_tokens)
+    if decode.tree == "auto":
+        out["auto_candidates"] = list(decode.auto_candidates)
+    return out
+
+
+def _max_depth(decode: DecodeConfig) -> int | None:
+    if decode.tree == "static" and decode.static_paths:
+        return max(len(p) for p in decode.static_paths)
+    return decode.tree_depth if decode.tree != "static" else None
+
+
+def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, device: torch.device,
+                   decode: DecodeConfig, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]]) -> list[dict]:
+    """Speculative decoding at each `eval.tree_sweep` size on the main run's exact turn inputs."""
+    from eagle.decode.generator import SpeculativeGenerator
+
+    by_id = {p.id: p for p in prompts}
+    hf_tokens = sum(p["tokens_by_method"].get("hf_generate", 0) for p in per_prompt)
+    hf_seconds = sum(p["seconds"].get("hf_generate", 0.0) for p in per_prompt)
+    hf_tps = metrics.throughput(hf_tokens, hf_seconds)
+    rows = []
+    for size in tqdm(cfg.eval.tree_sweep, desc="tree sweep", unit="size"):
+        sweep_decode = replace(decode, tree="dynamic", tree_total_tokens=int(size))
+        run = speculative_runner(SpeculativeGenerator(target, head, tokenizer, sweep_decode, device=device),
+                                 sweep_decode)
+        tokens = forwards = 0
+        seconds = 0.0
+        lengths: list[int] = []
+        for rec in per_prompt:
+            answers = [t["answer"] for t in rec["turns"]]
+            for input_ids in turn_inputs(tokenizer, by_id[rec["id"]], answers):
+                out = run(input_ids)
+                tokens += len(out["tokens"])
+                seconds += out["seconds"]
+                forwards += out["target_forwards"]
+                lengths += out["accept_lengths"]
+        tps = metrics.throughput(tokens, seconds)
+        rows.append({"tree_total_tokens": int(size), "tau": metrics.tau(lengths, forwards), "tokens_per_s": tps,
+                     "speedup": tps / hf_tps if hf_tps > 0 and tps > 0 else None})
+    return rows
+
+
+def _plots(report: dict[str, Any], out: Path) -> dict[str, str]:
+    files = {}
+    hist = {int(k): v for k, v in report["accept_length_histogram"].items()}
+    if hist:
+        files["accept_length_histogram"] = plots.plot_accept_length_histogram(hist, out / "accept_length_hist.png")
+    if report["accept_rate_by_depth"]:
+        files["accept_by_depth"] = plots.plot_accept_by_depth(
+            report["accept_rate_by_depth"], report["accept_fraction_by_depth"], out / "accept_by_depth.png")
+    files["throughput"] = plots.plot_throughput(
+        {m: v["tokens_per_s"] for m, v in report["methods"].items()}, out / "throughput.png")
+    sweep = [r for r in report.get("tree_sweep", []) if r["speedup"] is not None]
+    if sweep:
+        files["speedup_vs_tree"] = plots.plot_speedup_vs_tree(
+            [r["tree_total_tokens"] for r in sweep], [r["speedup"] for r in sweep], [r["tau"] for r in sweep],
+            out / "speedup_vs_tree.png")
+    return {k: str(v) for k, v in files.items()}
+
+
+def evaluate(cfg: RootConfig) -> dict[str, Any]:
+    """Run the evaluation described by `cfg`; write report.json, report.md and plots to `cfg.output_dir`."""
+    from eagle.decode.generator import SpeculativeGenerator
+    from eagle.targets import load_target
+
+    if not cfg.draft.path:
+        raise ConfigError("eagle-eval needs draft.path=DIR (a training output dir, checkpoint dir or exported head)")
+    resolve_draft(cfg.draft.path)  # fail on a wrong draft.path before minutes of model loading
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = select_prompts(cfg)
+    previous_threads = torch.get_num_threads()
+    if cfg.eval.num_threads:
+        torch.set_num_threads(cfg.eval.num_threads)  # one setting for every method, restored on exit
+    try:
+        device = resolve_device(cfg)
+        target, tokenizer, info = load_target(cfg.target, device=device)
+        head, draft = load_draft(cfg.draft.path, target, device=device)
+        decode = copy.deepcopy(cfg.decode)
+        generator = SpeculativeGenerator(target, head, tokenizer, decode, device=device)
+        if decode.tree == "auto":
+            # Time verify passes per candidate size now, so that it is not charged to the first prompt.
+            generator.calibrate()
+        runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
+        stop_ids = stop_token_ids(target, tokenizer)
+
+        # Warm-up: first calls pay for allocator growth and kernel selection; not measured.
+        for prompt in tqdm(prompts[: cfg.eval.warmup_prompts], desc="warm-up", unit="prompt"):
+            run_prompt(replace(prompt, turns=prompt.turns[:1]), tokenizer, runners, decode.temperature, stop_ids)
+
+        progress = out / PROGRESS
+        fingerprint = _fingerprint(cfg, decode)
+        done = _load_progress(progress, fingerprint)
+        if not done and progress.exists():
+            progress.unlink()
+        per_prompt = []
+        for prompt in tqdm(prompts, desc="eval", unit="prompt"):
+            if prompt.id in done:
+                per_prompt.append(done[prompt.id])
+                continue
+            rec = run_prompt(prompt, tokenizer, runners, decode.temperature, stop_ids)
+            _append_progress(progress, fingerprint, rec)
+            per_prompt.append(rec)
+
+        report = aggregate(per_prompt, decode.temperature, _max_depth(decode))
+        if cfg.eval.tree_sweep:
+            report["tree_sweep"] = run_tree_sweep(cfg, target, head, tokenizer, device, decode, prompts, per_prompt)
+        report["settings"] = {
+            "target": cfg.target.path,
+            "target_fingerprint": info.fingerprint,
+            "draft_path": cfg.draft.path,
+            "draft_folder": str(draft.folder),
+            "draft_kind": draft.via,
+            "algorithm": head.config.algorithm,
+            "prompts": cfg.eval.prompts,
+            "prompt_ids": [p.id for p in prompts],
+            "turns": cfg.eval.turns,
+            "temperature": decode.temperature,
+            "top_p": decode.top_p,
+            "top_k": decode.top_k,
+            "max_new_tokens": decode.max_new_tokens,
+            "seed": decode.seed,
+            "tree": tree_settings(decode),
+            "auto_verify_seconds": ({str(k): v for k, v in generator.verify_times.items()}
+                                    if generator.verify_times else None),
+            "warmup_prompts": cfg.eval.warmup_prompts,
+            "prompt_lookup_num_tokens": cfg.eval.prompt_lookup_num_tokens,
+            "hardware": hardware_info(device),
+        }
+        report["per_prompt"] = per_prompt
+        report["plots"] = _plots(report, out)
+        write_report(report, out)
+        return report
+    finally:
+        torch.set_num_threads(previous_threads)

@@ -1,0 +1,312 @@
+"""What each export format looks like on disk: tensor names, config.json, embedding policy.
+
+Facts checked against the loaders (vLLM `llama_eagle3.py` / `llama_eagle.py` / speculators config
+handling, SGLang `llama_eagle3.py` / `llama_eagle.py`, vllm-project/speculators `Eagle3SpeculatorConfig`):
+
+| format      | EAGLE-3 tensors                          | EAGLE-1 tensors                      | config.json                                   |
+|-------------|------------------------------------------|--------------------------------------|-----------------------------------------------|
+| vllm        | fc, midlayer.*, norm, lm_head, d2t, t2d  | fc.weight (no bias), layers.0.*      | Llama config, LlamaForCausalLMEagle3 /        |
+|             | (vLLM renames midlayer. -> layers.0.)    |                                      | EagleLlamaForCausalLM, aux ids top-level      |
+| sglang      | same as vllm (SGLang needs midlayer.*)   | fc.weight + fc.bias, layers.0.*      | Llama config, LlamaForCausalLMEagle3 /        |
+|             |                                          |                                      | LlamaForCausalLMEagle, aux ids in eagle_config|
+| speculators | fc, layers.0.*, norm, lm_head, d2t, t2d  | (not supported)                      | speculators_model_type=eagle3, Eagle3Speculator|
+| hf          | our own names (= `save_head`)            | our own names                        | head_config.json + Llama-style config.json    |
+
+Embeddings: no format needs `embed_tokens.weight` for our heads, so none is written: vLLM skips the
+draft embedding when the checkpoint has none and shares the target's, SGLang always installs the
+target's embedding (`set_embed`), speculators marks it optional (`has_drafter_embedding`), and our
+own loader borrows the target's. EAGLE-1's LM head is the target's in every runtime, so it is not
+written either.
+
+Layer-id conventions differ: our `aux_layer_ids` (and vLLM's / speculators'
+`eagle_aux_hidden_state_layer_ids`) name the *input* of decoder layer i; SGLang adds 1 to the ids
+in `eagle_config` (id k there means the output of layer k), so the SGLang folder stores ids - 1.
+Both runtimes take `norm_before_residual` to mean the residual is taken after `hidden_norm`; our
+head takes it before, so every config says `false` explicitly (vLLM's speculators path defaults it
+to true when absent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from eagle.errors import ExportError
+from eagle.heads.base import HeadConfig
+
+FORMATS = ("vllm", "sglang", "speculators", "hf")
+WEIGHTS_FILE = "model.safetensors"
+HEAD_CONFIG_FILE = "head_config.json"
+CONFIG_FILE = "config.json"
+EXPORT_META_KEY = "eagle_export"  # our own block in config.json: canonical HeadConfig + format
+
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+EAGLE1_ARCHS = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
+ARCHITECTURE = {("vllm", "eagle3"): "LlamaForCausalLMEagle3", ("sglang", "eagle3"): "LlamaForCausalLMEagle3",
+                ("vllm", "eagle1"): "EagleLlamaForCausalLM", ("sglang", "eagle1"): "LlamaForCausalLMEagle",
+                ("hf", "eagle3"): "LlamaForCausalLMEagle3", ("hf", "eagle1"): "EagleLlamaForCausalLM"}
+
+# Built-in target names -> the Hub id of the same model (for base_model / verifier fields).
+BUILTIN_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_id_for_target(target_path: str) -> str:
+    """The Hub id to name as the target (verifier / base_model) for `target.path`."""
+    return BUILTIN_HUB_IDS.get(target_path, target_path)
+
+
+# --- tensor layout ---------------------------------------------------------------------------------
+def expected_tensors(cfg: HeadConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Our parameter name -> (shape, kind) for a head of `cfg`; kind is float | int | bool.
+
+    This is the complete set of tensors a head of this config owns; the exporter refuses a head
+    whose state dict has anything else (an export must never drop weights silently).
+    """
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    if cfg.algorithm == "eagle3":
+        layer, attn_in = "midlayer.", 2 * h
+        out["fc.weight"] = ((h, len(cfg.aux_layer_ids or [0, 0, 0]) * cfg.target_hidden_size), "float")
+        out[layer + "input_layernorm.weight"] = ((h,), "float")
+        out[layer + "hidden_norm.weight"] = ((h,), "float")
+    elif cfg.algorithm == "eagle1":
+        layer, attn_in = "layers.0.", h
+        out["fc.weight"] = ((h, 2 * h), "float")
+        out["fc.bias"] = ((h,), "float")
+    else:
+        raise ExportError(f"unknown head algorithm {cfg.algorithm!r} (expected eagle1 or eagle3)")
+    for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        out[f"{layer}self_attn.{name}.weight"] = ((rows, attn_in), "float")
+        if cfg.attention_bias:
+            out[f"{layer}self_attn.{name}.bias"] = ((rows,), "float")
+    out[f"{layer}self_attn.o_proj.weight"] = ((h, q_out), "float")
+    out[f"{layer}post_attention_layernorm.weight"] = ((h,), "float")
+    out[f"{layer}mlp.gate_proj.weight"] = ((i, h), "float")
+    out[f"{layer}mlp.up_proj.weight"] = ((i, h), "float")
+    out[f"{layer}mlp.down_proj.weight"] = ((h, i), "float")
+    if cfg.algorithm == "eagle3":
+        out["norm.weight"] = ((h,), "float")
+        out["lm_head.weight"] = ((cfg.draft_vocab_size, h), "float")
+        out["d2t"] = ((cfg.draft_vocab_size,), "int")
+        out["t2d"] = ((cfg.vocab_size,), "bool")
+    return out
+
+
+def to_format_name(name: str, fmt: str, algorithm: str) -> str:
+    """Our tensor name -> the name a format stores it under."""
+    if fmt == "speculators" and algorithm == "eagle3" and name.startswith("midlayer."):
+        return "layers.0." + name[len("midlayer."):]
+    return name
+
+
+def from_format_name(name: str, algorithm: str) -> str:
+    """A stored tensor name (any supported format or third-party variant) -> our name."""
+    if name.startswith("model."):  # some third-party checkpoints keep the runtime's wrapper prefix
+        name = name[len("model."):]
+    if algorithm == "eagle3" and name.startswith("layers.0."):
+        return "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def format_keys(cfg: HeadConfig, fmt: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Stored name -> (shape, kind) a `fmt` folder for a head of `cfg` must hold, exactly."""
+    spec = expected_tensors(cfg)
+    if fmt == "vllm" and cfg.algorithm == "eagle1":
+        spec.pop("fc.bias")  # vLLM's EagleLlamaForCausalLM builds fc without a bias
+    return {to_format_name(k, fmt, cfg.algorithm): v for k, v in spec.items()}
+
+
+# --- config.json -----------------------------------------------------------------------------------
+def _rope_fields(cfg: HeadConfig) -> dict[str, Any]:
+    """RoPE in both spellings: rope_theta/rope_scaling (older runtimes) and rope_parameters (v5)."""
+    params = dict(cfg.rope_parameters)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {
+        "rope_theta": float(params.get("rope_theta", 10000.0)),
+        "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
+        "rope_parameters": params,
+    }
+
+
+def llama_layer_config(cfg: HeadConfig, dtype: str) -> dict[str, Any]:
+    """The one-layer Llama config every runtime builds the draft decoder layer from."""
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": False,
+        # SGLang ties lm_head to embed_tokens when this is true, which would discard our lm_head.
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        **_rope_fields(cfg),
+    }
+
+
+def export_meta(cfg: HeadConfig, fmt: str) -> dict[str, Any]:
+    """Our own block: the canonical HeadConfig, so our loader never has to guess conventions."""
+    return {"format": fmt, "head_config": dataclasses.asdict(cfg)}
+
+
+def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
+                 speculative_tokens: int = 4) -> dict[str, Any]:
+    """config.json for `fmt`. `verifier` = {"name_or_path", "architectures"} (speculators only)."""
+    if fmt == "speculators":
+        if cfg.algorithm != "eagle3":
+            raise ExportError("format=speculators holds EAGLE-3 heads only; export EAGLE-1 with format=vllm, "
+                              "sglang or hf")
+        verifier = verifier or {"name_or_path": None, "architectures": []}
+        return {
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": llama_layer_config(cfg, dtype),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "norm_before_residual": False,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+            "torch_dtype": dtype,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier.get("name_or_path"),
+                             "architectures": list(verifier.get("architectures") or [])},
+            },
+            EXPORT_META_KEY: export_meta(cfg, fmt),
+        }
+    out = llama_layer_config(cfg, dtype)
+    out["architectures"] = [ARCHITECTURE[(fmt, cfg.algorithm)]]
+    if cfg.algorithm == "eagle3":
+        out["draft_vocab_size"] = cfg.draft_vocab_size
+        out["target_hidden_size"] = cfg.target_hidden_size
+        out["norm_before_residual"] = False
+        if fmt == "sglang":
+            # SGLang captures layer (id + 1)'s input for each id listed here.
+            out["eagle_config"] = {"use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
+        else:
+            out["eagle_config"] = {"use_aux_hidden_state": True}
+            out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    else:
+        out["eagle_fc_bias"] = fmt != "vllm"
+    out[EXPORT_META_KEY] = export_meta(cfg, fmt)
+    return out
+
+
+# --- reading any folder's config -------------------------------------------------------------------
+def detect_algorithm(config: dict[str, Any], where: str) -> str:
+    """eagle1 | eagle3 from a config.json (ours, vLLM/SGLang-style or speculators)."""
+    meta = config.get(EXPORT_META_KEY)
+    if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
+        return str(meta["head_config"].get("algorithm"))
+    if "speculators_model_type" in config:
+        if config["speculators_model_type"] != "eagle3":
+            raise ExportError(f"{where}: speculators_model_type={config['speculators_model_type']!r} is not "
+                              "supported (only eagle3)")
+        return "eagle3"
+    archs = config.get("architectures") or []
+    if any(a in EAGLE3_ARCHS for a in archs):
+        return "eagle3"
+    if any(a in EAGLE1_ARCHS for a in archs):
+        return "eagle1"
+    raise ExportError(f"{where}: architectures={archs} is not an EAGLE draft head (expected one of "
+                      f"{', '.join(EAGLE3_ARCHS + EAGLE1_ARCHS)}, or a speculators config)")
+
+
+def _rope_from(layer: dict[str, Any]) -> dict[str, Any]:
+    params = layer.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        return dict(params)
+    scaling = layer.get("rope_scaling") or {}
+    out = {"rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
+    out.update({k: v for k, v in scaling.items() if k != "type"})
+    out["rope_theta"] = float(layer.get("rope_theta", 10000.0))
+    return out
+
+
+def head_config_from_config(config: dict[str, Any], where: str, num_target_layers: int | None = None
+                            ) -> tuple[HeadConfig, str]:
+    """(HeadConfig, format) read from a config.json of any supported format.
+
+    Our own folders carry the canonical HeadConfig; third-party folders are read from their
+    Llama/speculators fields. Aux layer ids: top-level / speculators ids as they are (vLLM
+    convention), SGLang `eagle_config` ids + 1; none given -> left empty for the caller to fill.
+    """
+    meta = config.get(EXPORT_META_KEY)
+    if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
+        try:
+            return HeadConfig.from_dict(dict(meta["head_config"])), str(meta.get("format", "hf"))
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{where}: {EXPORT_META_KEY}.head_config is invalid: {e}") from e
+    algorithm = detect_algorithm(config, where)
+    fmt = "speculators" if "speculators_model_type" in config else "third-party"
+    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    if not isinstance(layer, dict):
+        raise ExportError(f"{where}: transformer_layer_config must be a JSON object")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(flag) or layer.get(flag):
+            raise ExportError(f"{where}: {flag}=true is a head variant eagle does not implement; such a head "
+                              "cannot be loaded here")
+    try:
+        if int(layer.get("num_hidden_layers", 1)) != 1:
+            raise ExportError(f"{where}: num_hidden_layers={layer['num_hidden_layers']}; eagle heads have "
+                              "exactly one decoder layer")
+        h = int(layer["hidden_size"])
+        heads = int(layer["num_attention_heads"])
+        vocab = int(layer["vocab_size"])
+        aux: list[int] = []
+        if config.get("eagle_aux_hidden_state_layer_ids"):
+            aux = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
+        elif isinstance(config.get("eagle_config"), dict) and config["eagle_config"].get(
+                "eagle_aux_hidden_state_layer_ids"):
+            aux = [int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        elif algorithm == "eagle3" and num_target_layers is not None:
+            from eagle.targets import default_aux_layer_ids
+
+            aux = default_aux_layer_ids(num_target_layers)
+        cfg = HeadConfig(
+            algorithm=algorithm,
+            hidden_size=h,
+            target_hidden_size=int(config.get("target_hidden_size") or layer.get("target_hidden_size") or h),
+            vocab_size=vocab,
+            draft_vocab_size=int(config.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or h // heads),
+            intermediate_size=int(layer["intermediate_size"]),
+            hidden_act=str(layer.get("hidden_act", "silu")),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(layer.get("attention_bias", False)),
+            max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+            rope_parameters=_rope_from(layer),
+            aux_layer_ids=aux if algorithm == "eagle3" else [],
+        )
+    except KeyError as e:
+        raise ExportError(f"{where}: config field {e.args[0]!r} is missing") from e
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{where}: a config field has the wrong type: {e}") from e
+    return cfg, fmt
+
+
+def tensor_kind(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    if t.is_floating_point():
+        return "float"
+    return "int"

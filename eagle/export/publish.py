@@ -1,0 +1,245 @@
+"""`eagle-publish`: exported head + model card with measured figures -> a Hugging Face model repo.
+
+The Hub folder is `<output_dir>/hub/`: the export of `draft.path` in `format`, plus README.md
+whose YAML metadata names the target as base_model, and whose body carries the figures of the
+`eagle-eval` reports given in `publish.reports` and the training provenance read from the run's
+train_config.yaml (and the capture manifest, when present). The token comes from the environment
+(HF_TOKEN) or huggingface_hub's stored login; it is never printed, logged or written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagle.errors import EagleError
+from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
+from eagle.export.formats import hub_id_for_target
+from eagle.export.validate import ExportedHead, check_folder
+
+log = logging.getLogger(__name__)
+
+LIBRARY = {"speculators": "speculators", "vllm": "vllm", "sglang": "sglang", "hf": "eagle"}
+# Bundled / well-known data sources -> the Hub data set they come from.
+DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+
+
+class PublishError(EagleError):
+    """A report, training record or Hub operation needed for publishing is missing or failed."""
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """An `eagle-eval` report: a report.json file or the eval output dir holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "report.json"
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise PublishError(f"publish.reports: {p} not found (give eagle-eval output dirs or report.json files)") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise PublishError(f"publish.reports: {p} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or "tau" not in data:
+        raise PublishError(f"publish.reports: {p} is not an eagle-eval report (no 'tau' field)")
+    return data
+
+
+def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{suffix}"
+    return f"{x}{suffix}"
+
+
+def _tree_text(tree: Any) -> str:
+    if isinstance(tree, dict):
+        return ", ".join(f"{k}={v}" for k, v in tree.items())
+    return str(tree) if tree is not None else "n/a"
+
+
+def report_row(report: dict[str, Any]) -> dict[str, str]:
+    """The model-card figures of one report."""
+    s = report.get("settings") or {}
+    hw = s.get("hardware") or {}
+    hardware = hw if isinstance(hw, str) else ", ".join(
+        str(v) for v in (hw.get("accelerator") or hw.get("cpu"), f"device {hw.get('device')}" if hw.get("device")
+                         else None, f"{hw.get('torch_threads')} threads" if hw.get("torch_threads") else None) if v)
+    return {
+        "benchmark": str(s.get("prompts", "n/a")),
+        "prompts": _fmt(report.get("num_prompts")),
+        "temperature": _fmt(s.get("temperature")),
+        "tree": _tree_text(s.get("tree")),
+        "tau": _fmt(report.get("tau")),
+        "speedup": _fmt(report.get("speedup"), suffix="x"),
+        "speedup_ar": _fmt(report.get("speedup_vs_autoregressive"), suffix="x"),
+        "hardware": hardware or "n/a",
+    }
+
+
+def training_provenance(train_dir: Path | None) -> dict[str, Any]:
+    """What produced the head: selected fields of train_config.yaml and the capture manifest."""
+    if train_dir is None or not (train_dir / "train_config.yaml").is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    try:
+        tc = OmegaConf.to_container(OmegaConf.load(train_dir / "train_config.yaml"), resolve=False)
+    except Exception as e:  # a damaged yaml must not block publishing the weights
+        log.warning("cannot read %s: %s", train_dir / "train_config.yaml", e)
+        return {}
+    data, draft, train = tc.get("data", {}), tc.get("draft", {}), tc.get("train", {})
+    out: dict[str, Any] = {
+        "target": (tc.get("target") or {}).get("path"),
+        "data_source": data.get("source"),
+        "data_path": data.get("path"),
+        "max_conversations": data.get("max_conversations"),
+        "max_length": data.get("max_length"),
+        "algorithm": draft.get("algorithm"),
+        "aux_layer_ids": draft.get("aux_layer_ids"),
+        "draft_vocab_size": draft.get("draft_vocab_size"),
+        "train": {k: train.get(k) for k in ("mode", "max_steps", "batch_size", "lr", "ttt_steps", "ttt_decay",
+                                            "warmup_steps", "schedule", "mixed_precision", "seed") if k in train},
+    }
+    data_dir = train.get("data_dir")
+    manifest = Path(str(data_dir)) / "manifest.json" if data_dir else None
+    if manifest is not None and manifest.is_file():
+        try:
+            m = json.loads(manifest.read_text())
+            out["capture"] = {k: v for k, v in m.items() if isinstance(v, (int, float, str, bool)) and
+                              not str(k).lower().endswith(("path", "dir", "file"))}
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("cannot read %s: %s", manifest, e)
+    overrides = [f"target.path={out['target']}"] if out["target"] else []
+    if out["data_source"]:
+        overrides.append(f"data={out['data_source']}")
+    if out["data_path"]:
+        overrides.append(f"data.path={out['data_path']}")
+    for key in ("max_conversations", "max_length"):
+        if out.get(key) is not None:
+            overrides.append(f"data.{key}={out[key]}")
+    if out["algorithm"]:
+        overrides.append(f"draft.algorithm={out['algorithm']}")
+    if out["aux_layer_ids"]:
+        overrides.append(f"draft.aux_layer_ids=[{','.join(str(i) for i in out['aux_layer_ids'])}]")
+    if "draft_vocab_size" in draft:
+        overrides.append(f"draft.draft_vocab_size={draft['draft_vocab_size'] if draft['draft_vocab_size'] is not None else 'null'}")
+    overrides += [f"train.{k}={v}" for k, v in out["train"].items() if v is not None]
+    out["command"] = "eagle-train " + " ".join(overrides)
+    return out
+
+
+def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports: list[dict[str, Any]],
+               provenance: dict[str, Any], repo_id: str | None) -> str:
+    """README.md: YAML metadata + usage + measured figures + how it was made."""
+    c = head.config
+    algo_tag = c.algorithm
+    data_source = provenance.get("data_source")
+    datasets = []
+    if data_source == "hub" and provenance.get("data_path"):
+        datasets.append(str(provenance["data_path"]))
+    elif data_source in DATASET_IDS:
+        datasets.append(DATASET_IDS[data_source])
+    meta: dict[str, Any] = {
+        "base_model": target,
+        "library_name": LIBRARY[fmt],
+        "license": license,
+        "pipeline_tag": "text-generation",
+        "tags": ["eagle", algo_tag, "speculative-decoding", "draft-model", fmt],
+    }
+    if datasets:
+        meta["datasets"] = datasets
+    name = repo_id or "<repo-id>"
+    algo = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1"}[c.algorithm]
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
+             f"# {algo} draft head for {target}", "",
+             f"A speculative-decoding draft head ({algo}) for [{target}](https://huggingface.co/{target}), "
+             f"trained and exported with `eagle` (format `{fmt}`, dtype "
+             f"{', '.join(sorted({str(t.dtype).replace('torch.', '') for t in head.tensors.values() if t.is_floating_point()}))}).",
+             "",
+             f"- hidden size {c.hidden_size}, {c.num_attention_heads} attention heads ({c.num_key_value_heads} KV), "
+             f"intermediate {c.intermediate_size}, one decoder layer",
+             f"- target vocabulary {c.vocab_size}, draft vocabulary {c.draft_vocab_size}",
+             ]
+    if c.algorithm == "eagle3":
+        lines.append(f"- target feature layers (input of decoder layer i): {c.aux_layer_ids}")
+    lines += ["", "## Usage", ""]
+    method = "eagle3" if c.algorithm == "eagle3" else "eagle"
+    if fmt in ("vllm", "speculators"):
+        lines += ["```bash", f"vllm serve {target} --speculative-config "
+                  f"'{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": 4}}'", "```"]
+    elif fmt == "sglang":
+        algo_flag = "EAGLE3" if c.algorithm == "eagle3" else "EAGLE"
+        lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
+                  f"--speculative-draft-model-path {name} --speculative-num-steps 4 --speculative-eagle-topk 4 "
+                  "--speculative-num-draft-tokens 16", "```"]
+    lines += ["", "With `eagle` itself (any format):", "", "```bash",
+              f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
+    if reports:
+        lines += ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
+                  "Hugging Face `generate` (and plain autoregressive decoding with the same code).", "",
+                  "| benchmark | prompts | temperature | tree | tau | speedup vs HF generate | speedup vs autoregressive "
+                  "| hardware |", "|---|---:|---:|---|---:|---:|---:|---|"]
+        for r in reports:
+            row = report_row(r)
+            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['tree']} | "
+                         f"{row['tau']} | {row['speedup']} | {row['speedup_ar']} | {row['hardware']} |")
+    else:
+        lines.append("No evaluation reports were attached (publish.reports); run `eagle-eval` and republish.")
+    lines += ["", "## Training", ""]
+    if provenance:
+        lines.append(f"- data: {provenance.get('data_source')}"
+                     + (f" ({provenance['data_path']})" if provenance.get("data_path") else "")
+                     + (f", up to {provenance['max_conversations']} conversations" if provenance.get("max_conversations")
+                        else "") + (f", max {provenance['max_length']} tokens" if provenance.get("max_length") else ""))
+        if provenance.get("capture"):
+            lines.append("- capture: " + ", ".join(f"{k}={v}" for k, v in sorted(provenance["capture"].items())))
+        if provenance.get("train"):
+            lines.append("- training: " + ", ".join(f"{k}={v}" for k, v in provenance["train"].items()))
+        lines += ["", "Command (reconstructed from the run's resolved train_config.yaml):", "", "```bash",
+                  provenance["command"], "```"]
+    else:
+        lines.append("Training records (train_config.yaml) were not found next to the head.")
+    return "\n".join(lines) + "\n"
+
+
+def run_publish(cfg: Any) -> Path:
+    """The `eagle-publish` stage; returns the Hub folder (uploaded unless publish.dry_run)."""
+    p = cfg.publish
+    if not cfg.draft.path:
+        raise PublishError("draft.path is required: the training output dir (or head / exported folder) to publish")
+    if not p.dry_run and not p.repo_id:
+        raise PublishError("publish.repo_id=USER/NAME is required to upload (or set publish.dry_run=true)")
+    src, train_dir = resolve_head_source(cfg.draft.path)
+    source = check_folder(src)
+    target_path = _trained_target_path(train_dir) or cfg.target.path
+    target = hub_id_for_target(target_path)
+    reports = [load_report(r) for r in p.reports]
+    provenance = training_provenance(train_dir)
+    hub = Path(cfg.output_dir) / "hub"
+    # The card describes the validated export, so it is written after it (atomically, like the weights).
+    head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
+                        speculative_tokens=cfg.decode.tree_depth)
+    card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id)
+    tmp = hub / "README.md.tmp"
+    tmp.write_text(card)
+    tmp.replace(hub / "README.md")
+    if p.dry_run:
+        print(f"eagle-publish: dry run, Hub folder written to {hub} (nothing uploaded)")
+        return hub
+    from huggingface_hub import HfApi
+
+    api = HfApi()  # token: HF_TOKEN or the stored login, resolved inside huggingface_hub
+    try:
+        api.create_repo(repo_id=p.repo_id, private=p.private, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=p.repo_id, folder_path=str(hub), commit_message=p.commit_message,
+                          repo_type="model")
+    except Exception as e:  # huggingface_hub raises many HTTP/auth types; its messages never hold the token
+        raise PublishError(f"uploading {hub} to {p.repo_id} failed: {type(e).__name__}: {e}. Check that HF_TOKEN "
+                           "(or `huggingface-cli login`) grants write access to that repo") from e
+    print(f"eagle-publish: uploaded {hub} to https://huggingface.co/{p.repo_id}")
+    return hub

@@ -1,0 +1,223 @@
+"""Read and validate an exported (or third-party) draft-head folder.
+
+`read_folder` turns any supported folder into one canonical form (HeadConfig + tensors under our
+own names); `check_folder` additionally proves the folder is complete and consistent: every
+required tensor present, nothing unexpected, shapes and dtypes right, the vocabulary maps
+coherent, and (for folders we wrote) every config field equal to what the format prescribes.
+Every failure is an `ExportError` naming the folder, file, tensor or field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle.errors import ExportError
+from eagle.export.formats import (
+    CONFIG_FILE,
+    EXPORT_META_KEY,
+    HEAD_CONFIG_FILE,
+    WEIGHTS_FILE,
+    build_config,
+    expected_tensors,
+    format_keys,
+    from_format_name,
+    head_config_from_config,
+    tensor_kind,
+    to_format_name,
+)
+from eagle.heads.base import HeadConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tensors a third-party folder may carry that our heads take from the target instead.
+_BORROWED = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class ExportedHead:
+    """A head folder in canonical form."""
+
+    folder: Path
+    format: str  # vllm | sglang | speculators | hf | third-party
+    config: HeadConfig
+    tensors: dict[str, torch.Tensor]  # our parameter names
+    borrowed: dict[str, torch.Tensor] = field(default_factory=dict)  # stored target-owned tensors
+    raw_config: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ExportError(f"{path} is missing") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ExportError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a folder: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files: list[Path]
+    index = folder / "model.safetensors.index.json"
+    if (folder / WEIGHTS_FILE).is_file():
+        files = [folder / WEIGHTS_FILE]
+    elif index.is_file():
+        files = sorted({folder / f for f in read_json(index).get("weight_map", {}).values()})
+    elif (folder / "pytorch_model.bin").is_file():
+        try:  # weights_only: a pickle from elsewhere must not run code
+            data = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for corrupt/unsafe pickles
+            raise ExportError(f"{folder / 'pytorch_model.bin'} cannot be read safely: {e}") from e
+        return {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+    else:
+        raise ExportError(f"{folder} has no {WEIGHTS_FILE} (nor a sharded index or pytorch_model.bin)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except (OSError, SafetensorError) as e:
+            raise ExportError(f"{f} is not a readable safetensors file: {e}") from e
+    return out
+
+
+def read_folder(folder: str | Path, num_target_layers: int | None = None) -> ExportedHead:
+    """Read a head folder of any supported format into canonical form (no completeness checks)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"{folder} is not a folder")
+    if (folder / HEAD_CONFIG_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
+        # A plain head folder as written by `save_head`.
+        try:
+            cfg, fmt, raw = HeadConfig.load(folder / HEAD_CONFIG_FILE), "hf", {}
+        except (TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ExportError(f"{folder / HEAD_CONFIG_FILE} is not a valid head config: {e}") from e
+    else:
+        raw = read_json(folder / CONFIG_FILE)
+        cfg, fmt = head_config_from_config(raw, str(folder / CONFIG_FILE), num_target_layers)
+    stored = read_tensors(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    borrowed: dict[str, torch.Tensor] = {}
+    for name, t in stored.items():
+        ours = from_format_name(name, cfg.algorithm)
+        if ours in _BORROWED and not (cfg.algorithm == "eagle3" and ours == "lm_head.weight"):
+            borrowed[ours] = t
+            continue
+        if ours in tensors:
+            raise ExportError(f"{folder}: tensors {name!r} and another stored name both map to {ours!r}")
+        tensors[ours] = t
+    return ExportedHead(folder=folder, format=fmt, config=cfg, tensors=tensors, borrowed=borrowed, raw_config=raw)
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """d2t/t2d must describe the same strictly increasing draft -> target id map."""
+    target_ids = torch.arange(d2t.numel(), dtype=torch.long) + d2t.long()  # [V_draft]
+    if target_ids.numel() and (target_ids.min() < 0 or target_ids.max() >= t2d.numel()):
+        raise ExportError(f"{where}: d2t maps draft ids outside the target vocabulary [0, {t2d.numel()})")
+    if target_ids.numel() > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise ExportError(f"{where}: d2t must map draft ids to strictly increasing target ids")
+    if int(t2d.sum()) != d2t.numel() or not torch.equal(torch.nonzero(t2d).flatten(), target_ids):
+        raise ExportError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
+
+
+def _check_our_config(head: ExportedHead, dtype: str | None) -> None:
+    """A folder we wrote: every config field must equal what the format prescribes."""
+    where = head.folder / CONFIG_FILE
+    raw = head.raw_config
+    expected = build_config(head.config, head.format, dtype or str(raw.get("torch_dtype", "float16")))
+    for key, value in expected.items():
+        if key in ("speculators_config", EXPORT_META_KEY):
+            continue
+        if key not in raw:
+            raise ExportError(f"{where}: config field {key!r} is missing (expected {value!r})")
+        if raw[key] != value and not (isinstance(value, float) and raw[key] == value):
+            raise ExportError(f"{where}: config field {key!r}={raw[key]!r} does not match the head "
+                              f"({value!r})")
+    if head.format == "speculators":
+        spec = raw.get("speculators_config")
+        try:
+            assert int(spec["proposal_methods"][0]["speculative_tokens"]) >= 1
+            assert spec["verifier"]["name_or_path"]
+            assert spec["algorithm"] == "eagle3"
+        except (KeyError, IndexError, TypeError, AssertionError, ValueError) as e:
+            raise ExportError(f"{where}: speculators_config needs algorithm=eagle3, proposal_methods[0]."
+                              "speculative_tokens >= 1 and verifier.name_or_path") from e
+
+
+def check_folder(folder: str | Path, expect_format: str | None = None, dtype: str | None = None,
+                 num_target_layers: int | None = None) -> ExportedHead:
+    """Validate a head folder; returns it in canonical form or raises `ExportError`.
+
+    `dtype` (float16 | bfloat16 | float32): every floating tensor must have it; None accepts any
+    floating dtype. Folders we wrote are also checked field by field against their format.
+    """
+    head = read_folder(folder, num_target_layers)
+    cfg, where = head.config, head.folder
+    if expect_format is not None and head.format != expect_format:
+        raise ExportError(f"{where} is a {head.format!r} folder, expected format={expect_format!r}")
+    if cfg.algorithm == "eagle3":
+        if head.format != "third-party" and len(cfg.aux_layer_ids) != 3:
+            raise ExportError(f"{where}: EAGLE-3 needs 3 aux layer ids, config has {cfg.aux_layer_ids}")
+        if cfg.aux_layer_ids and (len(set(cfg.aux_layer_ids)) != 3 or min(cfg.aux_layer_ids) < 0):
+            raise ExportError(f"{where}: aux layer ids {cfg.aux_layer_ids} must be 3 distinct ids >= 0")
+        if not cfg.aux_layer_ids:
+            head.notes.append("no aux layer ids in the config: runtimes use their default (2, L//2, L-3)")
+    if cfg.draft_vocab_size > cfg.vocab_size:
+        raise ExportError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
+    spec = expected_tensors(cfg)
+    optional: set[str] = set()
+    if cfg.algorithm == "eagle3" and cfg.draft_vocab_size == cfg.vocab_size:
+        optional |= {"d2t", "t2d"}  # a full-vocabulary head needs no maps
+    if cfg.algorithm == "eagle1" and head.format in ("vllm", "third-party"):
+        optional.add("fc.bias")  # vLLM's EAGLE-1 has no fc bias; old checkpoints often do
+    missing = sorted(set(spec) - set(head.tensors) - optional)
+    if missing:
+        raise ExportError(f"{where}: required tensors missing: {', '.join(missing)} (a runtime that skips "
+                          "unknown keys, like SGLang, would silently leave them at their initial values)")
+    unexpected = sorted(set(head.tensors) - set(spec))
+    if unexpected:
+        raise ExportError(f"{where}: unexpected tensors {', '.join(unexpected)} for a {cfg.algorithm} head "
+                          "of this config")
+    want = _DTYPES[dtype] if dtype else None
+    for name, t in head.tensors.items():
+        shape, kind = spec[name]
+        if tuple(t.shape) != shape:
+            raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, the config implies "
+                              f"{_fmt_shape(shape)}")
+        if tensor_kind(t) != kind:
+            raise ExportError(f"{where}: tensor {name} has dtype {t.dtype}, expected a {kind} tensor")
+        if kind == "float" and want is not None and t.dtype != want:
+            raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
+        if kind == "float" and not bool(torch.isfinite(t.float()).all()):
+            raise ExportError(f"{where}: tensor {name} holds NaN or inf values")
+    for name, t in head.borrowed.items():
+        rows = cfg.vocab_size
+        if tuple(t.shape) != (rows, cfg.hidden_size):
+            raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, expected "
+                              f"{_fmt_shape((rows, cfg.hidden_size))}")
+    if "d2t" in head.tensors or "t2d" in head.tensors:
+        if not ("d2t" in head.tensors and "t2d" in head.tensors):
+            raise ExportError(f"{where}: d2t and t2d must be stored together")
+        check_vocab_maps(head.tensors["d2t"], head.tensors["t2d"], str(where))
+    if head.format in ("vllm", "sglang", "speculators", "hf") and head.raw_config:
+        _check_our_config(head, dtype)
+        stored = set(format_keys(cfg, head.format))
+        have = set(head.tensors) | set(head.borrowed)
+        have_stored = {to_format_name(n, head.format, cfg.algorithm) for n in have}
+        if have_stored != stored:
+            raise ExportError(f"{where}: tensor names {sorted(have_stored ^ stored)} differ from what "
+                              f"format={head.format} prescribes")
+    return head

@@ -1,0 +1,82 @@
+"""EAGLE-1 draft head: predicts the target's next final feature, decoded by the target's LM head.
+
+    x       = fc(cat(embed(x_{t+1}), f_t))          [B, T, 2H] -> [B, T, H]   (fc has a bias)
+    out     = layers.0(x)                           [B, T, H]  predicted f_{t+1}
+    logits  = target_lm_head(out)                   [B, T, V]  (full vocabulary)
+
+The feature is the target's final post-norm hidden state (`output_hidden_states[-1]`), which is
+what the target's LM head reads; so the head's output can go straight into that LM head.
+Layer 0 has no input norm, as vLLM's EagleLlamaForCausalLM expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
+from eagle.heads.layers import DecoderLayer, RotaryEmbedding
+
+
+class Eagle1Head(DraftHead):
+    """The EAGLE-1 head; token embeddings and LM head borrowed from the target."""
+
+    algorithm: ClassVar[str] = "eagle1"
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__(config)
+        if config.draft_vocab_size != config.vocab_size:
+            raise ValueError("EAGLE-1 uses the target's full vocabulary (draft_vocab_size must equal vocab_size)")
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList([DecoderLayer(config, fused_input=False)])
+        self.rotary_emb = RotaryEmbedding(config)
+        self._borrowed = BorrowedModules()  # not submodules: never trained, never saved
+
+    # --- target-owned pieces -------------------------------------------------------------------
+    def _get(self, name: str) -> nn.Module:
+        if name not in self._borrowed:
+            raise RuntimeError("attach_target(target_model) must be called before using the head")
+        return self._borrowed[name]
+
+    @property
+    def target_embed_tokens(self) -> nn.Module:
+        return self._get("embed_tokens")
+
+    @property
+    def target_lm_head(self) -> nn.Module:
+        return self._get("lm_head")
+
+    def attach_target(self, target: nn.Module) -> None:
+        self._borrowed["embed_tokens"] = target.get_input_embeddings()
+        self._borrowed["lm_head"] = target.get_output_embeddings()
+
+    def feature_layer_ids(self) -> list[int]:
+        return [-1]
+
+    # --- the four steps ------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.target_embed_tokens(input_ids).to(self.fc.weight.dtype)  # [B, T, H]
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        if features.shape[2] != 1:
+            raise ValueError(f"EAGLE-1 takes one feature layer, got {features.shape[2]}")
+        return features[:, :, 0].to(self.fc.weight.dtype)  # [B, T, H]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        hidden: torch.Tensor,  # [B, T, H]
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+    ) -> torch.Tensor:
+        x = self.fc(torch.cat((self.embed(input_ids), hidden), dim=-1))  # [B, T, 2H] -> [B, T, H]
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        return self.layers[0](x, cos, sin, attention_mask=attention_mask, past_key_values=past_key_values)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        lm_head = self.target_lm_head
+        return lm_head(hidden.to(lm_head.weight.dtype))  # [B, T, V]

@@ -1,0 +1,88 @@
+"""EAGLE-3 draft head: fused low/mid/high target features, one decoder layer, reduced vocabulary.
+
+    h0      = fc(cat(f_low, f_mid, f_high))                          [B, T, 3Ht] -> [B, T, H]
+    x       = cat(input_layernorm(embed(x_{t+1})), hidden_norm(h))   [B, T, 2H]
+    out     = midlayer(x, residual=h)                                [B, T, H]  (fed back as h)
+    logits  = lm_head(norm(out))                                     [B, T, V_draft]
+
+Draft id d maps to target id d + d2t[d]; t2d[v] says whether target id v is in the draft vocab.
+Both are buffers saved with the head (vLLM / SGLang read them under these names).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
+from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class Eagle3Head(DraftHead):
+    """The EAGLE-3 head; sizes from `HeadConfig`, token embeddings borrowed from the target."""
+
+    algorithm: ClassVar[str] = "eagle3"
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__(config)
+        if len(config.aux_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 needs 3 aux layer ids, got {config.aux_layer_ids}")
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.midlayer = DecoderLayer(config, fused_input=True)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        # Identity vocab maps until `set_draft_vocab` (or a checkpoint) fills them in.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # Borrowed, frozen target modules live in a plain dict: not submodules, so they are never
+        # in parameters() / state_dict() / DDP's view of the head.
+        self._borrowed = BorrowedModules()
+
+    # --- target-owned pieces -------------------------------------------------------------------
+    @property
+    def target_embed_tokens(self) -> nn.Module:
+        if "embed_tokens" not in self._borrowed:
+            raise RuntimeError("attach_target(target_model) must be called before using the head")
+        return self._borrowed["embed_tokens"]
+
+    def attach_target(self, target: nn.Module) -> None:
+        self._borrowed["embed_tokens"] = target.get_input_embeddings()
+
+    def feature_layer_ids(self) -> list[int]:
+        return list(self.config.aux_layer_ids)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary maps (see `eagle.heads.vocab.build_vocab_maps`)."""
+        self.d2t.copy_(d2t.to(self.d2t))
+        self.t2d.copy_(t2d.to(self.t2d))
+
+    # --- the four steps ------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.target_embed_tokens(input_ids)  # [B, T, H]
+        return emb.to(self.fc.weight.dtype)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        b, t, k, ht = features.shape  # [B, T, 3, Ht]
+        return self.fc(features.reshape(b, t, k * ht).to(self.fc.weight.dtype))  # [B, T, H]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        hidden: torch.Tensor,  # [B, T, H]
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+    ) -> torch.Tensor:
+        embeds = self.embed(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        return self.midlayer(hidden, cos, sin, embeds=embeds, attention_mask=attention_mask,
+                             past_key_values=past_key_values)  # [B, T, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # [B, T, V_draft]

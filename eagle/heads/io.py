@@ -1,0 +1,284 @@
+"""Building draft heads from a target's config, and saving / loading them (safetensors only).
+
+A saved head is a folder with `model.safetensors` (the head's own weights and vocab maps, nothing
+borrowed from the target) and `head_config.json` (a `HeadConfig`). Both files are written to a
+temporary name and renamed, so a crash never leaves a half-written head behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle.config import ConfigError, DraftConfig
+from eagle.errors import CheckpointError
+from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.eagle1 import Eagle1Head
+from eagle.heads.eagle3 import Eagle3Head
+from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
+from eagle.targets import TargetInfo, default_aux_layer_ids, text_config
+
+log = logging.getLogger(__name__)
+
+HEADS: dict[str, type[DraftHead]] = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "head_config.json"
+_EXTRA_KEY = "eagle_extra"
+
+
+def _rope_parameters(text: Any) -> dict[str, Any]:
+    """The target's RoPE parameters as one flat dict.
+
+    Targets with per-layer-type RoPE (e.g. Gemma 3: sliding vs full attention) keep a dict per
+    layer type; the head attends over the whole context, so it takes the full-attention one.
+    """
+    rope = getattr(text, "rope_parameters", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    if not rope:  # old-style configs: rope_theta (+ rope_scaling)
+        rope = dict(getattr(text, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", float(getattr(text, "rope_theta", 10000.0)))
+    rope = dict(rope)
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", 10000.0)
+    return rope
+
+
+def head_config_from_target(
+    target_config: Any, draft_cfg: DraftConfig, target_info: TargetInfo | None = None
+) -> HeadConfig:
+    """A `HeadConfig` sized from the target's HF config; model families differ only in these numbers.
+
+    EAGLE-1 always uses the full target vocabulary (`draft.draft_vocab_size` is ignored);
+    EAGLE-3 uses `draft.draft_vocab_size` (None = full vocabulary).
+    """
+    text = text_config(target_config)
+    algo = draft_cfg.algorithm
+    if algo not in HEADS:
+        raise ConfigError(f"draft.algorithm={algo!r} is not one of {', '.join(HEADS)}")
+    hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
+    n_heads = text.num_attention_heads
+    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // n_heads
+    draft_vocab = vocab
+    aux: list[int] = []
+    if algo == "eagle3":
+        draft_vocab = draft_cfg.draft_vocab_size or vocab
+        if draft_vocab > vocab:
+            raise ConfigError(f"draft.draft_vocab_size={draft_vocab} exceeds the target's vocabulary ({vocab}); "
+                              f"set draft.draft_vocab_size<={vocab} or null for the full vocabulary")
+        if draft_cfg.aux_layer_ids is None:
+            try:
+                aux = default_aux_layer_ids(layers)
+            except ValueError as e:
+                raise ConfigError(f"draft.algorithm=eagle3: {e}") from e
+        else:
+            aux = [int(i) for i in draft_cfg.aux_layer_ids]
+            if len(aux) != 3 or any(not 0 <= i <= layers for i in aux):
+                raise ConfigError(f"draft.aux_layer_ids={aux} must be 3 layer ids in [0, {layers}] "
+                                  f"(the target has {layers} layers)")
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    return HeadConfig(
+        algorithm=algo,
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=draft_cfg.intermediate_size or text.intermediate_size,
+        hidden_act=act,
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
+        attention_bias=bool(getattr(text, "attention_bias", False) or False),
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096) or 4096),
+        rope_parameters=_rope_parameters(text),
+        aux_layer_ids=aux,
+        target_model_type=str(getattr(text, "model_type", "") or ""),
+        target_fingerprint=target_info.fingerprint if target_info is not None else "",
+    )
+
+
+def build_head(
+    head_cfg: HeadConfig,
+    target_model: Any | None = None,
+    vocab_counts: torch.Tensor | None = None,
+    special_ids: Sequence[int] | None = None,
+) -> DraftHead:
+    """A freshly initialised head.
+
+    EAGLE-3 with a reduced vocabulary needs `vocab_counts` [V] (see `eagle.heads.vocab.count_tokens`)
+    to choose the draft vocabulary; special ids (default: eos/bos/pad of `target_model`) are always
+    kept. Its lm_head starts from the target's LM-head rows of the draft vocabulary. With a
+    `target_model` the head is attached to it (embeddings, EAGLE-1's LM head).
+    """
+    if head_cfg.algorithm not in HEADS:
+        raise ConfigError(f"unknown draft algorithm {head_cfg.algorithm!r}; known: {', '.join(HEADS)}")
+    if target_model is not None:
+        check_head_fits_target(head_cfg, target_model)
+    head = HEADS[head_cfg.algorithm](head_cfg)
+    if isinstance(head, Eagle3Head):
+        reduced = head_cfg.draft_vocab_size < head_cfg.vocab_size
+        if reduced and vocab_counts is None:
+            raise ConfigError(f"draft.draft_vocab_size={head_cfg.draft_vocab_size} < vocabulary "
+                              f"{head_cfg.vocab_size}: token counts of the training data are needed to "
+                              "choose the draft vocabulary (or set draft.draft_vocab_size=null)")
+        if reduced:
+            if vocab_counts.numel() != head_cfg.vocab_size:
+                raise ConfigError(f"vocab_counts has {vocab_counts.numel()} entries, the target vocabulary "
+                                  f"{head_cfg.vocab_size}")
+            if special_ids is None:
+                special_ids = special_token_ids(target_model) if target_model is not None else []
+            ids, d2t, t2d = draft_vocab_from_counts(vocab_counts.cpu(), head_cfg.draft_vocab_size, special_ids)
+            head.set_draft_vocab(d2t, t2d)
+            log.info("draft vocabulary: %d ids cover %.1f%% of the training tokens",
+                     ids.numel(), 100 * coverage(vocab_counts.cpu(), t2d))
+        if target_model is not None:
+            out = target_model.get_output_embeddings()
+            if out is not None and out.weight.shape[0] >= head_cfg.vocab_size:
+                with torch.no_grad():
+                    rows = out.weight[: head_cfg.vocab_size][head.t2d.to(out.weight.device)]  # [Vd, H]
+                    head.lm_head.weight.copy_(rows.to(head.lm_head.weight))
+    if target_model is not None:
+        head.attach_target(target_model)
+    return head
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_head(head: DraftHead, folder: Path, extra: dict[str, Any] | None = None) -> None:
+    """Write `model.safetensors` + `head_config.json` into `folder` (created), atomically per file.
+
+    `extra` (JSON-serialisable, e.g. training step or vocab coverage) goes into the safetensors
+    metadata; read it back with `read_head_extra`.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
+    meta = {"format": "pt", "algorithm": head.config.algorithm}
+    if extra:
+        meta[_EXTRA_KEY] = json.dumps(extra, sort_keys=True)
+    # Weights first, config last: a folder with a config always has matching weights.
+    _atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(state, p, metadata=meta))
+    _atomic_write(folder / CONFIG_NAME, lambda p: Path(p).write_text(head.config.to_json()))
+
+
+def read_head_config(folder: Path) -> HeadConfig:
+    """The `HeadConfig` of a saved head, with a CheckpointError naming the file on any problem."""
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: {folder} is not a saved draft head "
+                              f"(expected {CONFIG_NAME} and {WEIGHTS_NAME})")
+    try:
+        cfg = HeadConfig.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a valid head config: {e}") from e
+    if cfg.algorithm not in HEADS:
+        raise CheckpointError(f"{path}: algorithm={cfg.algorithm!r} is not one of {', '.join(HEADS)}")
+    return cfg
+
+
+def read_head_extra(folder: Path) -> dict[str, Any]:
+    """The `extra` dict given to `save_head` ({} if none)."""
+    from safetensors import safe_open
+
+    path = Path(folder) / WEIGHTS_NAME
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    return json.loads(meta[_EXTRA_KEY]) if _EXTRA_KEY in meta else {}
+
+
+def load_head(
+    folder: Path,
+    target_model: Any | None = None,
+    map_location: str | torch.device = "cpu",
+    algorithm: str | None = None,
+) -> DraftHead:
+    """Rebuild a head saved by `save_head`; attach it to `target_model` after checking they fit.
+
+    `algorithm`, when given, must match the saved one (e.g. the run's `draft.algorithm`).
+    """
+    folder = Path(folder)
+    cfg = read_head_config(folder)
+    if algorithm is not None and cfg.algorithm != algorithm:
+        raise CheckpointError(f"{folder / CONFIG_NAME} holds an {cfg.algorithm} head, but draft.algorithm={algorithm}")
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} not found (only safetensors heads are supported)")
+    try:
+        state = load_file(str(weights), device=str(map_location))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read {weights}: {e}") from e
+    if target_model is not None:
+        check_head_fits_target(cfg, target_model)
+    head = HEADS[cfg.algorithm](cfg)
+    expected = head.trainable_state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match {folder / CONFIG_NAME}: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    for name, value in state.items():
+        if value.shape != expected[name].shape:
+            raise CheckpointError(f"{weights}: {name} has shape {tuple(value.shape)}, the config implies "
+                                  f"{tuple(expected[name].shape)}")
+    head.load_state_dict(state, strict=False)  # strict check done above, with a clearer message
+    head.to(map_location)
+    if target_model is not None:
+        head.attach_target(target_model)
+    return head
+
+
+def check_head_fits_target(head_cfg: HeadConfig, target: Any, strict_fingerprint: bool = False) -> None:
+    """Raise CheckpointError if the head was made for a target of other sizes.
+
+    `target` is a loaded HF model or a `TargetInfo`. A differing fingerprint (the same model from
+    another source, or retrained weights) only logs a warning unless `strict_fingerprint`.
+    """
+    if isinstance(target, TargetInfo):
+        hidden, vocab, layers = target.hidden_size, target.vocab_size, target.num_layers
+        model_type, fingerprint = target.model_type, target.fingerprint
+    else:
+        text = text_config(target.config)
+        hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
+        model_type, fingerprint = getattr(text, "model_type", ""), ""
+    problems = []
+    if head_cfg.target_hidden_size != hidden:
+        problems.append(f"hidden size {head_cfg.target_hidden_size} vs the target's {hidden}")
+    if head_cfg.vocab_size != vocab:
+        problems.append(f"vocabulary {head_cfg.vocab_size} vs the target's {vocab}")
+    bad_aux = [i for i in head_cfg.aux_layer_ids if not 0 <= i <= layers]
+    if bad_aux:
+        problems.append(f"aux layers {bad_aux} outside the target's [0, {layers}]")
+    if head_cfg.target_model_type and model_type and head_cfg.target_model_type != model_type:
+        problems.append(f"model type {head_cfg.target_model_type!r} vs the target's {model_type!r}")
+    if problems:
+        raise CheckpointError(f"the {head_cfg.algorithm} head does not fit this target: " + "; ".join(problems)
+                              + ". Use the target the head was trained on (target.path) or retrain.")
+    if head_cfg.target_fingerprint and fingerprint and head_cfg.target_fingerprint != fingerprint:
+        msg = (f"the head was trained on target {head_cfg.target_fingerprint}, this target is {fingerprint}; "
+               "acceptance may be lower if the weights differ")
+        if strict_fingerprint:
+            raise CheckpointError(msg)
+        log.warning(msg)

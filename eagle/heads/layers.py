@@ -1,0 +1,219 @@
+"""The building blocks of every draft head: one Llama-shaped decoder layer, RMSNorm and RoPE.
+
+Everything is sized by `HeadConfig`, so a head for any target family is the same code with other
+numbers. Parameter names follow Llama (`self_attn.q_proj`, `mlp.gate_proj`, ...) because the
+exporter maps them 1:1 onto vLLM / SGLang draft models.
+
+Attention masks follow `eagle.heads.base`: boolean, True = may attend, [B, 1, T_query, T_key];
+None = causal over (cache + new tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from eagle.heads.base import HeadConfig
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: x / rms(x) * weight, computed in float32 for stability."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rope_config(cfg: HeadConfig) -> Any:
+    """A transformers config carrying just what the RoPE init functions read."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters),
+        num_hidden_layers=1,
+        vocab_size=8,
+    )
+
+
+def rope_inv_freq(cfg: HeadConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2 or fewer], attention scaling) for the head's RoPE.
+
+    Scaled variants (llama3, yarn, linear, ...) come from transformers' own init functions so the
+    head rotates exactly like the target it drafts for.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = cfg.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        theta = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type={rope_type!r} is not supported by this transformers version")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](_rope_config(cfg), None)
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """position ids [B, T] -> (cos, sin) [B, T, head_dim]; half-split (Llama) layout."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+        # Not persistent: recomputed from the config, so never part of a checkpoint.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D'] with D' <= D (partial rotary rotates the first D')."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D']
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def causal_mask(q_len: int, past_len: int, device: torch.device) -> torch.Tensor:
+    """Bool [1, 1, q_len, past_len + q_len]: query q sees keys up to its own position past_len + q."""
+    k_idx = torch.arange(past_len + q_len, device=device)
+    q_idx = torch.arange(q_len, device=device) + past_len
+    return (k_idx[None, :] <= q_idx[:, None])[None, None]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE and an optional `transformers.Cache`.
+
+    `in_features` is the width of the attention input (2H for EAGLE-3, whose q/k/v read the
+    concatenation of the token embedding and the hidden state).
+    """
+
+    def __init__(self, cfg: HeadConfig, in_features: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, Din]
+        cos: torch.Tensor,  # [B, T, D]
+        sin: torch.Tensor,  # [B, T, D]
+        attention_mask: torch.Tensor | None = None,  # bool [B, 1, T, T_past + T]
+        past_key_values: Any | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past_len = 0
+        if past_key_values is not None:
+            past_len = past_key_values.get_seq_length(0)
+            k, v = past_key_values.update(k, v, 0)  # [B, nkv, T_past + T, D]
+        is_causal = False
+        if attention_mask is None:
+            # No cache: SDPA's built-in causal path; with a cache the queries sit after past_len keys.
+            mask, is_causal = (None, t > 1) if past_len == 0 else (causal_mask(t, past_len, x.device), False)
+        else:
+            mask = attention_mask.to(torch.bool)
+            if mask.shape[-1] != k.shape[-2] or mask.shape[-2] != t:
+                raise ValueError(f"attention_mask {tuple(mask.shape)} does not fit {t} queries x {k.shape[-2]} keys")
+            # A query that may attend nothing (padding) would give NaN; let it see everything
+            # instead: its output is masked out of every loss, and NaN would leak into gradients.
+            mask = mask | ~mask.any(-1, keepdim=True)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:  # GQA: each kv head serves `rep` query heads
+            k = k.repeat_interleave(rep, dim=1)  # [B, nh, Tk, D]
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, nh, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: HeadConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One Llama-shaped decoder layer, in the two shapes draft heads use.
+
+    fused_input=True (EAGLE-3): attention reads cat(input_layernorm(embeds), hidden_norm(hidden))
+    [B, T, 2H]; the residual is `hidden`.
+    fused_input=False (EAGLE-1): attention reads `hidden` itself, with no input norm (the fc
+    output feeds the layer directly, as in vLLM's EagleLlamaForCausalLM).
+    """
+
+    def __init__(self, cfg: HeadConfig, fused_input: bool) -> None:
+        super().__init__()
+        self.fused_input = fused_input
+        if fused_input:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        in_features = 2 * cfg.hidden_size if fused_input else cfg.hidden_size
+        self.self_attn = Attention(cfg, in_features)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        embeds: torch.Tensor | None = None,  # [B, T, H], fused_input only
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+    ) -> torch.Tensor:
+        residual = hidden
+        if self.fused_input:
+            if embeds is None:
+                raise ValueError("a fused-input layer needs the token embeddings")
+            x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
+        else:
+            x = hidden
+        h = residual + self.self_attn(x, cos, sin, attention_mask, past_key_values)  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, T, H]

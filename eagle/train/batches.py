@@ -1,0 +1,237 @@
+"""Training batches from a capture (offline) or from the frozen target in the loop (online).
+
+Both modes go through the same code: a split is a list of conversations laid out in shards
+(offline: the capture's shards; online: the same layout the capture would write, shard k = items
+[k * capture.shard_size, (k + 1) * shard_size) of the data stage's split), ordered per epoch by the
+capture reader's `ShardShuffleSampler`, cut into global batches, collated by the reader's `collate`.
+Online mode then adds the features by running `extract_features`, the function the capture uses;
+offline mode reads them. So the same data and seed give the same batches in both modes (up to the
+capture's storage dtype).
+
+Data position: (epoch, index) = the next global batch starts at item `index` of epoch `epoch`'s
+order. A global batch of `train.batch_size` conversations is split into `grad_accum` micro-steps,
+each into `world_size` equal rank slices; the position only depends on optimizer steps taken, so
+training resumes (on any world size) exactly where it stopped. The tail of an epoch shorter than a
+global batch is skipped (every step has the same number of conversations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from eagle.capture.reader import CaptureDataset, ShardShuffleSampler, collate
+from eagle.capture.store import member_path
+from eagle.config import ConfigError
+from eagle.errors import CaptureError
+from eagle.heads.vocab import count_tokens
+
+
+class SplitData(Protocol):
+    """A split as items in shard layout, plus how its batches get their target features."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def shard_sizes(self) -> list[int]: ...
+
+    def item(self, index: int) -> dict[str, Any]: ...
+
+    def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]: ...
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+class OfflineSplit:
+    """One split of a capture (`CaptureDataset`); features come from the shards."""
+
+    def __init__(self, data_dir: str | Path, split: str, seed: int = 0) -> None:
+        self.dataset = CaptureDataset(data_dir, split=split, seed=seed)
+        self.data_dir = Path(data_dir)
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return self.dataset.shard_sizes
+
+    def item(self, index: int) -> dict[str, Any]:
+        return self.dataset[index]
+
+    def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        return _to_device(batch, device)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """Loss-mask token counts [V] of this split, read from the shards' ids (no features)."""
+        from safetensors import safe_open
+
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for entry in self.dataset.entries:
+            path = member_path(self.data_dir, entry["file"])
+            with safe_open(str(path), framework="pt") as f:
+                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")  # [N], [N]
+            try:
+                counts += count_tokens(ids, mask, vocab_size)
+            except ValueError as e:
+                raise CaptureError(f"{path}: {e}; the capture is from a target with another vocabulary") from e
+        return counts
+
+
+class OnlineSplit:
+    """Tokenised conversations; features come from running the frozen target on each batch."""
+
+    def __init__(
+        self,
+        conversations: Sequence[Any],  # TokenizedConversation: id, input_ids, loss_mask
+        shard_size: int,
+        target: nn.Module,
+        aux_layer_ids: list[int] | None,
+    ) -> None:
+        self.conversations = list(conversations)
+        self.shard_size = shard_size
+        self.target = target
+        self.aux_layer_ids = aux_layer_ids
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        n, s = len(self.conversations), self.shard_size
+        return [min(s, n - start) for start in range(0, n, s)]
+
+    def item(self, index: int) -> dict[str, Any]:
+        c = self.conversations[index]
+        return {
+            "input_ids": torch.tensor(c.input_ids, dtype=torch.long),  # [T]
+            "loss_mask": torch.tensor(c.loss_mask, dtype=torch.bool),  # [T]
+            "id": str(c.id),
+        }
+
+    def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        from eagle.capture.features import extract_features
+
+        batch = _to_device(batch, device)
+        feats = extract_features(self.target, batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids)
+        # Inference tensors cannot be saved for backward; a clone outside inference mode can.
+        batch.update({k: v.clone() for k, v in feats.items()})
+        return batch
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for c in self.conversations:
+            counts += count_tokens(torch.tensor(c.input_ids), torch.tensor(c.loss_mask), vocab_size)
+        return counts
+
+
+def truncate_item(item: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """Cut an item's per-token tensors to `max_length` tokens (train.max_length)."""
+    if int(item["input_ids"].shape[0]) <= max_length:
+        return item
+    return {k: (v[:max_length] if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
+
+
+@dataclass
+class DataPosition:
+    epoch: int = 0
+    index: int = 0
+
+
+def micro_slices(batch_size: int, grad_accum: int, world_size: int, rank: int) -> list[slice]:
+    """Slices of a global batch that `rank` trains on, one per micro-step.
+
+    Micro-step a covers items [a * B/A, (a + 1) * B/A); rank r takes the r-th of its W equal parts.
+    """
+    if batch_size % (grad_accum * world_size):
+        raise ConfigError(
+            f"train.batch_size={batch_size} must be divisible by train.grad_accum={grad_accum} x "
+            f"{world_size} processes (each process trains on equal micro-batches)"
+        )
+    micro = batch_size // grad_accum
+    per_rank = micro // world_size
+    return [slice(a * micro + rank * per_rank, a * micro + (rank + 1) * per_rank) for a in range(grad_accum)]
+
+
+class BatchStream:
+    """Deterministic, resumable stream of this rank's micro-batches for each optimizer step."""
+
+    def __init__(
+        self,
+        data: SplitData,
+        seed: int,
+        batch_size: int,
+        grad_accum: int,
+        max_length: int,
+        pad_id: int,
+        rank: int = 0,
+        world_size: int = 1,
+        position: DataPosition | None = None,
+    ) -> None:
+        if len(data) < batch_size:
+            raise ConfigError(
+                f"the training split has {len(data)} conversations, fewer than train.batch_size={batch_size}; "
+                "lower train.batch_size or use more data"
+            )
+        self.data = data
+        self.sampler = ShardShuffleSampler(data.shard_sizes, seed=seed, shuffle=True)
+        self.batch_size = batch_size
+        self.slices = micro_slices(batch_size, grad_accum, world_size, rank)
+        self.max_length = max_length
+        self.pad_id = pad_id
+        self.position = position or DataPosition()
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            self.sampler.set_epoch(epoch)
+            self._order, self._order_epoch = self.sampler.order(), epoch
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        """Item indices of the next global batch; advances the position."""
+        pos = self.position
+        if pos.index + self.batch_size > len(self.data):  # drop the short tail of an epoch
+            pos = DataPosition(pos.epoch + 1, 0)
+        order = self._epoch_order(pos.epoch)
+        indices = order[pos.index : pos.index + self.batch_size]
+        self.position = DataPosition(pos.epoch, pos.index + self.batch_size)
+        return indices
+
+    def next_step(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """(this rank's collated micro-batches on CPU, features not yet added; ids of this rank's items)."""
+        indices = self.next_indices()
+        micro = []
+        ids: list[str] = []
+        for sl in self.slices:
+            items = [truncate_item(self.data.item(i), self.max_length) for i in indices[sl]]
+            batch = collate(items, pad_id=self.pad_id)
+            ids.extend(batch["ids"])
+            micro.append(batch)
+        return micro, ids
+
+
+def eval_batches(
+    data: SplitData,
+    num_items: int,
+    micro_size: int,
+    max_length: int,
+    pad_id: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[dict[str, Any]]:
+    """This rank's share of the first `num_items` held-out conversations (fixed order), collated
+    lazily (one micro-batch in memory at a time)."""
+    mine = list(range(min(num_items, len(data))))[rank::world_size]
+    for start in range(0, len(mine), micro_size):
+        items = [truncate_item(data.item(i), max_length) for i in mine[start : start + micro_size]]
+        yield collate(items, pad_id=pad_id)

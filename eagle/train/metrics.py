@@ -1,0 +1,111 @@
+"""Training metrics: token-weighted loss / top-1 accuracy per unroll step and the simulated tau.
+
+Simulated acceptance length (chain drafts, greedy verification):
+
+    tau_sim = 1 + sum_{k=0}^{N-1} prod_{j=0}^{k} acc_j
+
+where acc_j is the held-out top-1 accuracy of the head at unroll step j (draft token j + 1 equals
+the target's argmax). A chain of N drafted tokens is accepted up to the first miss, so the expected
+number of accepted drafts is sum_k P(drafts 0..k all match); the leading 1 is the bonus token the
+target emits itself in every verify pass. Taking P(all match) = prod acc_j treats acc_j as the
+accuracy *given* the earlier drafts matched. That is how the unroll measures it (each step is fed
+the true tokens), but errors of neighbouring steps are correlated, so tau_sim is an estimate of a
+chain decoder's tau, not of a tree decoder's (which is higher); use it to rank checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def simulated_tau(acc: Sequence[float]) -> float:
+    """tau_sim = 1 + sum_k prod_{j<=k} acc_j (see the module docstring)."""
+    total, running = 1.0, 1.0
+    for a in acc:
+        running *= float(a)
+        total += running
+    return total
+
+
+@dataclass
+class MetricSums:
+    """Sums that add up across micro-batches, steps and ranks; `summary()` turns them into means.
+
+    Everything is token-weighted: a step's loss and accuracy are means over its valid (loss-mask)
+    tokens, so long sequences count by their length, the same on any batch split or world size.
+    `extra` holds other per-token quantities (EAGLE-1 feature loss, EAGLE-3 vocab coverage) as sums
+    weighted by the step-0 token count.
+    """
+
+    step_loss: list[float] = field(default_factory=list)  # per unroll step: sum of token losses
+    step_correct: list[float] = field(default_factory=list)  # per unroll step: top-1 matches
+    step_tokens: list[float] = field(default_factory=list)  # per unroll step: valid tokens
+    extra: dict[str, float] = field(default_factory=dict)  # name -> sum of value x step-0 tokens
+    tokens: float = 0.0  # real (attention) tokens seen, for throughput
+
+    def add(
+        self,
+        step_loss: Sequence[float],
+        step_correct: Sequence[float],
+        step_tokens: Sequence[float],
+        extra: dict[str, float] | None = None,
+        tokens: float = 0.0,
+    ) -> None:
+        """Add one micro-batch's sums (per-step lists have one entry per unroll step)."""
+        n = len(step_correct)
+        if not self.step_correct:
+            self.step_loss, self.step_correct, self.step_tokens = [0.0] * n, [0.0] * n, [0.0] * n
+        if n != len(self.step_correct):
+            raise ValueError(f"unroll length changed from {len(self.step_correct)} to {n}")
+        for i in range(n):
+            self.step_loss[i] += float(step_loss[i])
+            self.step_correct[i] += float(step_correct[i])
+            self.step_tokens[i] += float(step_tokens[i])
+        for k, v in (extra or {}).items():
+            self.extra[k] = self.extra.get(k, 0.0) + float(v)
+        self.tokens += float(tokens)
+
+    def reduce(self, accelerator: object | None) -> MetricSums:
+        """Sum over all processes (a no-op with one process or without an accelerator).
+
+        Every rank must call it with the same number of steps and the same `extra` keys.
+        """
+        if accelerator is None or getattr(accelerator, "num_processes", 1) == 1:
+            return self
+        keys = sorted(self.extra)
+        flat = torch.tensor(
+            [self.tokens, *self.step_loss, *self.step_correct, *self.step_tokens, *(self.extra[k] for k in keys)],
+            dtype=torch.float64,
+        )
+        flat = accelerator.reduce(flat.to(accelerator.device), reduction="sum").cpu()  # type: ignore[attr-defined]
+        v = [float(x) for x in flat.tolist()]
+        n = len(self.step_correct)
+        return MetricSums(
+            v[1 : 1 + n], v[1 + n : 1 + 2 * n], v[1 + 2 * n : 1 + 3 * n],
+            dict(zip(keys, v[1 + 3 * n :])), v[0],
+        )
+
+    def summary(self, loss_weights: Sequence[float], extra_weights: dict[str, float] | None = None) -> dict[str, float]:
+        """{loss, loss_i, acc_i, tau_sim, extras}: token-weighted means.
+
+        `loss` = sum_i loss_weights[i] * loss_i + sum_k extra_weights[k] * extra_k, i.e. the training
+        objective (EAGLE-3: decay^i per step; EAGLE-1: token weight on step 0 plus feature weight).
+        """
+        out: dict[str, float] = {}
+        accs, total = [], 0.0
+        for i, (ls, c, n) in enumerate(zip(self.step_loss, self.step_correct, self.step_tokens)):
+            out[f"loss_{i}"] = ls / max(n, 1.0)
+            accs.append(c / max(n, 1.0))
+            out[f"acc_{i}"] = accs[-1]
+            if i < len(loss_weights):
+                total += loss_weights[i] * out[f"loss_{i}"]
+        n0 = max(self.step_tokens[0], 1.0) if self.step_tokens else 1.0
+        for k, v in self.extra.items():
+            out[k] = v / n0
+            total += (extra_weights or {}).get(k, 0.0) * out[k]
+        out["loss"] = total
+        out["tau_sim"] = simulated_tau(accs)
+        return out

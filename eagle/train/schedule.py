@@ -1,0 +1,55 @@
+"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to `min_lr_ratio`.
+
+`lr_factor` is the plain formula (tested directly); `build_scheduler` wraps it in a `LambdaLR` whose
+state dict holds only plain numbers, so it round-trips through `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from eagle.config import TrainConfig
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr for optimizer step `step` (0-based: the first update uses step 0).
+
+    Warmup ramps linearly from 1/warmup to 1 over `warmup_steps` updates (never 0, so the first
+    update is not wasted); afterwards the factor decays from 1 to `min_lr_ratio` at `max_steps`.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if schedule == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+    raise ValueError(f"unknown schedule {schedule!r} (cosine | linear | constant)")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
+    """A `LambdaLR` following `lr_factor` for `cfg` (stepped once per optimizer step)."""
+    fn = functools.partial(
+        lr_factor,
+        warmup_steps=cfg.warmup_steps,
+        max_steps=cfg.max_steps,
+        schedule=cfg.schedule,
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
+    return LambdaLR(optimizer, fn)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the head's trainable parameters; betas and weight decay from `cfg`."""
+    if len(cfg.betas) != 2:
+        from eagle.config import ConfigError
+
+        raise ConfigError(f"train.betas={cfg.betas} must be two numbers [beta1, beta2]")
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay)

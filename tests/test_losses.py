@@ -1,0 +1,104 @@
+"""Losses: the fast versions equal the plain references, in values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle.heads.vocab import build_vocab_maps
+from eagle.train.losses import (
+    add_feature_noise,
+    eagle1_loss,
+    eagle1_loss_reference,
+    eagle3_loss,
+    eagle3_loss_reference,
+    shift_left,
+)
+
+
+def _grads(fn, *leaves):
+    for x in leaves:
+        x.grad = None
+    out = fn()
+    out.loss.backward()
+    return out, [x.grad.clone() for x in leaves]
+
+
+@pytest.mark.parametrize("chunk_size", [3, 1024])
+def test_eagle1_fast_matches_reference(chunk_size):
+    g = torch.Generator().manual_seed(0)
+    b, t, h, v = 2, 6, 8, 23
+    pred = torch.randn(b, t, h, generator=g).requires_grad_()
+    target = pred.detach() + 0.7 * torch.randn(b, t, h, generator=g)  # mixes the L1 and L2 regimes
+    w = 2.0 * torch.randn(v, h, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0], [0, 1, 1, 1, 1, 1]])
+    ref, (g_ref,) = _grads(lambda: eagle1_loss_reference(pred, target, w, mask, 1.0, 0.3), pred)
+    fast, (g_fast,) = _grads(lambda: eagle1_loss(pred, target, w, mask, 1.0, 0.3, chunk_size=chunk_size), pred)
+    for name in ("loss", "feature_loss", "token_loss", "accuracy"):
+        torch.testing.assert_close(getattr(fast, name), getattr(ref, name), atol=1e-5, rtol=1e-5)
+    assert fast.count == ref.count == 9
+    torch.testing.assert_close(g_fast, g_ref, atol=1e-6, rtol=1e-5)
+    assert g_fast[0, 2].abs().sum() == 0  # masked positions get no gradient
+
+
+def test_eagle1_perfect_prediction():
+    w = torch.randn(11, 4)
+    f = torch.randn(1, 5, 4)
+    out = eagle1_loss(f.clone(), f, w, torch.ones(1, 5))
+    assert out.feature_loss == 0 and out.accuracy == 1.0
+    probs = torch.softmax(f @ w.t(), -1)
+    entropy = -(probs * probs.log()).sum(-1).mean()  # soft CE of a perfect head = target entropy
+    torch.testing.assert_close(out.token_loss, entropy)
+
+
+def _eagle3_case(seed=0, steps=3):
+    g = torch.Generator().manual_seed(seed)
+    b, t, v = 2, 7, 30
+    draft_ids = torch.tensor([0, 2, 3, 5, 8, 11, 12, 19, 25, 29])
+    d2t, t2d = build_vocab_maps(draft_ids, v)
+    target_logits = 3 * torch.randn(b, t, v, generator=g)
+    target_logits[0, 1, 4] = 50.0  # a target top-1 outside the draft vocab
+    step_logits = [torch.randn(b, t, draft_ids.numel(), generator=g).requires_grad_() for _ in range(steps)]
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    return step_logits, target_logits, loss_mask, t2d, d2t, attention_mask
+
+
+def test_eagle3_fast_matches_reference():
+    step_logits, target_logits, loss_mask, t2d, d2t, am = _eagle3_case()
+    ref, g_ref = _grads(lambda: eagle3_loss_reference(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am),
+                        *step_logits)
+    fast, g_fast = _grads(lambda: eagle3_loss(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am),
+                          *step_logits)
+    torch.testing.assert_close(fast.loss, ref.loss)
+    for i in range(3):
+        torch.testing.assert_close(fast.step_losses[i], ref.step_losses[i])
+        torch.testing.assert_close(fast.step_accuracy[i], ref.step_accuracy[i])
+        torch.testing.assert_close(g_fast[i], g_ref[i])
+    assert fast.step_counts == ref.step_counts == [10, 10, 9]
+    torch.testing.assert_close(fast.coverage, ref.coverage)
+    assert fast.coverage < 1.0  # the planted out-of-vocab top-1 is counted as not covered
+
+
+def test_eagle3_perfect_head_and_decay():
+    _, target_logits, loss_mask, t2d, d2t, _ = _eagle3_case(seed=1)
+    target_logits[0, 1, 4] = 0.0
+    # A head that outputs the target logits restricted to the draft vocab, for every step.
+    steps = [shift_left(target_logits[..., t2d], i) for i in range(2)]
+    out = eagle3_loss(steps, target_logits, loss_mask, t2d, d2t, decay=0.5)
+    in_vocab = t2d[target_logits.argmax(-1)]
+    expected_acc0 = (in_vocab & loss_mask.bool()).sum() / loss_mask.sum()
+    torch.testing.assert_close(out.step_accuracy[0], expected_acc0.float())
+    torch.testing.assert_close(out.loss, out.step_losses[0] + 0.5 * out.step_losses[1])
+    # Soft CE of a perfect head is the entropy of the renormalised target.
+    p = torch.softmax(target_logits[..., t2d], -1)
+    ent = -(p * p.log()).sum(-1)
+    torch.testing.assert_close(out.step_losses[0], (ent * loss_mask).sum() / loss_mask.sum())
+
+
+def test_feature_noise():
+    x = torch.zeros(4, 100, 8)
+    noisy = add_feature_noise(x, 0.2, generator=torch.Generator().manual_seed(0))
+    assert noisy.abs().max() <= 0.1 and noisy.abs().max() > 0.05 and noisy.mean().abs() < 0.01
+    assert add_feature_noise(x, 0.2, training=False) is x
+    assert add_feature_noise(x, 0.0) is x

@@ -1,0 +1,143 @@
+"""eagle-publish: the Hub folder (weights + config + model card with measured figures and provenance),
+the Hub calls (monkeypatched, no network), and that the token never reaches a file or a log."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle.cli.app import compose, save_resolved_config
+from eagle.config import DraftConfig
+from eagle.errors import EagleError
+from eagle.export import check_folder
+from eagle.export.publish import PublishError, run_publish
+from eagle.heads.io import build_head, head_config_from_target, save_head
+from tests.tiny_models import make_model
+
+SECRET = "hf_SECRETtoken1234567890abcdef"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    """A training output dir (best/ + train_config.yaml + capture manifest) and an eval report."""
+    root = tmp_path_factory.mktemp("pub")
+    model, _ = make_model("llama")
+    cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None))
+    head = build_head(cfg, model)
+    run = root / "run"
+    save_head(head, run / "best")
+    data_dir = root / "capture"
+    data_dir.mkdir()
+    (data_dir / "manifest.json").write_text(json.dumps({"num_conversations": 321, "num_tokens": 45678,
+                                                        "output_dir": "/home/someone/private"}))
+    save_resolved_config(compose([f"output_dir={run}", f"target.path={tiny_target_dir}", "data.max_conversations=321",
+                                  f"train.data_dir={data_dir}", "train.max_steps=77"]), "train")
+    ev = root / "eval"
+    ev.mkdir()
+    (ev / "report.json").write_text(json.dumps({
+        "num_prompts": 80, "tau": 2.7125, "speedup": 1.8512, "speedup_vs_autoregressive": 2.0433,
+        "settings": {"prompts": "mt_bench", "temperature": 0.0, "tree": {"kind": "dynamic", "total_tokens": 16},
+                     "hardware": {"cpu": "Test CPU 9000", "device": "cpu", "torch_threads": 2}}}))
+    return root
+
+
+def _cfg(run_dir: Path, out: Path, *extra: str):
+    return compose([f"draft.path={run_dir / 'run'}", f"output_dir={out}", f"publish.reports=[{run_dir / 'eval'}]",
+                    *extra])
+
+
+def _card(hub: Path) -> tuple[dict, str]:
+    text = (hub / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def test_dry_run_writes_card_with_figures_and_provenance(run_dir, tiny_target_dir, tmp_path):
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", "format=vllm"))
+    assert hub == tmp_path / "out" / "hub"
+    check_folder(hub, expect_format="vllm", dtype="float16")
+    meta, body = _card(hub)
+    assert meta["base_model"] == str(tiny_target_dir)
+    assert meta["license"] == "apache-2.0" and meta["library_name"] == "vllm"
+    assert {"eagle", "eagle3", "speculative-decoding"} <= set(meta["tags"])
+    assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    row = next(line for line in body.splitlines() if line.startswith("| mt_bench"))
+    assert "| 80 |" in row and "2.71" in row and "1.85x" in row and "2.04x" in row
+    assert "kind=dynamic, total_tokens=16" in row and "Test CPU 9000" in row and "| 0.00 |" in row
+    assert "num_conversations=321" in body and "num_tokens=45678" in body
+    assert "/home/someone/private" not in body  # paths from the manifest stay out of the card
+    assert f"eagle-train target.path={tiny_target_dir}" in body and "train.max_steps=77" in body
+    assert "vllm serve" in body
+
+
+def test_upload_calls_hub_and_never_writes_or_logs_the_token(run_dir, tmp_path, monkeypatch, capsys, caplog):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, **kw: calls.append(("create_repo", kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
+                        lambda self, **kw: calls.append(("upload_folder", kw)))
+    caplog.set_level(logging.DEBUG)
+    out = tmp_path / "out"
+    hub = run_publish(_cfg(run_dir, out, "publish.repo_id=me/tiny-eagle3", "publish.private=true", "format=speculators"))
+    assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
+    assert calls[0][1] == {"repo_id": "me/tiny-eagle3", "private": True, "exist_ok": True, "repo_type": "model"}
+    assert calls[1][1]["repo_id"] == "me/tiny-eagle3" and calls[1][1]["folder_path"] == str(hub)
+    assert calls[1][1]["commit_message"] == "Upload EAGLE draft head"
+    _, body = _card(hub)
+    assert '"model": "me/tiny-eagle3"' in body
+    captured = capsys.readouterr()
+    assert SECRET not in captured.out + captured.err + caplog.text
+    for f in [p for p in tmp_path.rglob("*") if p.is_file()] + [p for p in run_dir.rglob("*") if p.is_file()]:
+        assert SECRET.encode() not in f.read_bytes(), f
+
+
+def test_upload_failure_is_a_clear_error_without_token(run_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+
+    def deny(self, **kw):
+        raise RuntimeError("403 Forbidden: no write access")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", deny)
+    with pytest.raises(PublishError, match="no write access") as e:
+        run_publish(_cfg(run_dir, tmp_path / "out", "publish.repo_id=me/x"))
+    assert SECRET not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "publish.repo_id"),
+    (["publish.dry_run=true", "publish.reports=[/nonexistent/eval]"], "/nonexistent/eval not found"),
+])
+def test_publish_input_errors(run_dir, tmp_path, overrides, message):
+    with pytest.raises(EagleError, match=message):
+        run_publish(_cfg(run_dir, tmp_path / "out", *overrides))
+
+
+def test_report_without_tau_is_rejected(run_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "report.json").write_text(json.dumps({"speedup": 2.0}))
+    with pytest.raises(PublishError, match="not an eagle-eval report"):
+        run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", f"publish.reports=[{bad}]"))
+
+
+def test_cli_dry_run(run_dir, tmp_path, monkeypatch):
+    import sys
+
+    from eagle.cli import publish as cli
+
+    out = tmp_path / "cli"
+    monkeypatch.setattr(sys, "argv", ["eagle-publish", f"draft.path={run_dir / 'run'}", f"output_dir={out}",
+                                      "publish.dry_run=true", "export.dtype=bfloat16"])
+    cli.main()
+    head = check_folder(out / "hub", expect_format="hf", dtype="bfloat16")
+    assert head.tensors["fc.weight"].dtype == torch.bfloat16
+    assert "No evaluation reports" in (out / "hub" / "README.md").read_text()

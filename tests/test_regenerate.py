@@ -1,0 +1,131 @@
+"""Self-distillation on a tiny target: turn-by-turn answers, output format, resume, torn lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle.config import DataConfig, RegenerateConfig
+from eagle.data.dataset import load_conversations
+from eagle.data.records import Conversation
+from eagle.data.regenerate import recover_output, regenerate, regenerate_batch
+from eagle.data.template import end_of_turn_ids
+from eagle.errors import DataError
+from tests.tiny_models import make_model
+
+CONVS = [
+    Conversation("a", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello!"},
+                       {"role": "assistant", "content": "ORIGINAL"}, {"role": "user", "content": "Write a poem"},
+                       {"role": "assistant", "content": "ORIGINAL"}]),
+    Conversation("b", [{"role": "user", "content": "The quick brown fox"}, {"role": "assistant", "content": "ORIGINAL"}]),
+    Conversation("c", [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "ORIGINAL"}]),
+]
+CFG = RegenerateConfig(batch_size=2, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_model("qwen2")
+
+
+def test_turn_by_turn_replies_feed_the_regenerated_history(tiny, monkeypatch):
+    model, tok = tiny
+    from eagle.data import regenerate as mod
+
+    seen = []
+    real = mod.generate_replies
+
+    def spy(model, tokenizer, histories, cfg, stop_ids):
+        seen.append([list(h) for h in histories])
+        return real(model, tokenizer, histories, cfg, stop_ids)
+
+    monkeypatch.setattr(mod, "generate_replies", spy)
+    records = regenerate_batch(model, tok, CONVS[:2], CFG, end_of_turn_ids(tok))
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert len(seen) == 2 and len(seen[0]) == 2 and len(seen[1]) == 1  # round 2: only "a" has a 2nd turn
+    a = records[0]["messages"]
+    assert [m["role"] for m in a] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(m["content"] != "ORIGINAL" for m in a)
+    assert seen[1][0][2] == a[2]  # the second prompt holds the regenerated first answer, not the original
+    # Greedy replies in a left-padded batch equal those generated one by one.
+    solo = regenerate_batch(model, tok, CONVS[1:2], CFG, end_of_turn_ids(tok))
+    assert solo[0] == records[1]
+
+
+def test_output_resume_and_torn_line(tiny, tmp_path):
+    model, tok = tiny
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, tok, CONVS, CFG, out, target_fingerprint="t", progress=False)
+    full = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in full] == ["a", "b", "c"]
+
+    # A hard kill after the first record, mid-way through writing the second.
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    assert recover_output(out) == {"a"}
+    assert out.read_text() == lines[0]  # the torn line is cut off
+    out.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    regenerate(model, tok, CONVS, CFG, out, target_fingerprint="t", progress=False)
+    resumed = [json.loads(x) for x in out.read_text().splitlines()]
+    assert resumed == full  # greedy: the resumed run writes what the uninterrupted one did
+
+    # The output reads back through the local reader.
+    convs, stats = load_conversations(DataConfig(source="local", path=str(out), dedup_against=[]))
+    assert len(convs) + sum(stats.skipped.values()) == 3 and stats.read == 3  # nothing lost silently
+    assert len(convs) >= 1
+    by_id = {r["id"]: r["messages"] for r in full}
+    assert all(c.messages == by_id[c.id] for c in convs)
+
+
+def test_resume_refuses_other_settings_and_corrupt_files(tiny, tmp_path):
+    model, tok = tiny
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, tok, CONVS[:1], CFG, out, target_fingerprint="t", progress=False)
+    with pytest.raises(DataError, match="different settings"):
+        regenerate(model, tok, CONVS, RegenerateConfig(batch_size=2, max_new_tokens=7), out,
+                   target_fingerprint="t", progress=False)
+    with pytest.raises(DataError, match="target"):
+        regenerate(model, tok, CONVS, CFG, out, target_fingerprint="other", progress=False)
+    out.write_text("garbage\n" + out.read_text())
+    with pytest.raises(DataError, match="line 1 is not a regenerated record"):
+        regenerate(model, tok, CONVS, CFG, out, target_fingerprint="t", progress=False)
+
+
+def test_sampling_is_seeded(tiny, tmp_path):
+    model, tok = tiny
+    cfg = RegenerateConfig(batch_size=3, max_new_tokens=6, temperature=1.0, top_k=50, seed=3)
+    outs = []
+    for k in range(2):
+        path = tmp_path / f"s{k}.jsonl"
+        regenerate(model, tok, CONVS, cfg, path, progress=False)
+        outs.append(path.read_text())
+    assert outs[0] == outs[1]
+
+
+def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    from eagle.data import regenerate as mod
+
+    monkeypatch.setattr(mod, "generate_replies", lambda m, t, histories, c, s: [""] * len(histories))
+    out = tmp_path / "e.jsonl"
+    regenerate(model, tok, CONVS[1:2], CFG, out, progress=False)
+    assert recover_output(out) == {"b"}  # marked done: a restart does not retry it forever
+    with pytest.raises(DataError, match="no_assistant_turn=1"):
+        from eagle.data.dataset import build_splits
+
+        build_splits(DataConfig(source="local", path=str(out), dedup_against=[]), tok)
+
+
+def test_cli_stage_on_a_checkpoint_folder(tiny_target_dir, tmp_path):
+    from eagle.cli.app import compose
+    from eagle.cli.regenerate import regenerate_stage
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
+    cfg = compose([f"target.path={tiny_target_dir}", "target.dtype=float32", "data=local", f"data.path={data}",
+                   "data.dedup_against=[]", f"output_dir={tmp_path / 'run'}", "regenerate.max_new_tokens=4"])
+    regenerate_stage(cfg)
+    out = tmp_path / "run" / "regenerated.jsonl"
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
+    assert (tmp_path / "run" / "regenerated.jsonl.meta.json").is_file()

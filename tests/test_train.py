@@ -1,0 +1,489 @@
+"""Trainer tests on tiny random targets: maths, overfitting, batches, resume, faults, tracking, CLI.
+
+Every training run here is a few steps on ~20 short conversations (seconds on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle.cli.app import compose
+from eagle.errors import CaptureError, CheckpointError
+from eagle.train.metrics import MetricSums, simulated_tau
+from eagle.train.schedule import lr_factor
+from tests.tiny_models import _CORPUS, FAMILIES, make_model, save_model
+
+
+# --------------------------------------------------------------------------------------- workspace
+def write_conversations(path: Path, n: int = 24) -> Path:
+    """A ShareGPT-format jsonl of `n` short, distinct conversations."""
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = _CORPUS[i % len(_CORPUS)], _CORPUS[(3 * i + 1) % len(_CORPUS)]
+            turns = [{"from": "human", "value": f"{a} {i}"}, {"from": "gpt", "value": f"{b} {a}"}]
+            f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
+    return path
+
+
+def base_overrides(target_dir: Path, conversations: Path, algorithm: str) -> list[str]:
+    return [
+        f"target.path={target_dir}",
+        "data=local",
+        f"data.path={conversations}",
+        "data.heldout_fraction=0.2",
+        "data.dedup_against=[]",
+        "data.max_length=64",
+        "capture.dtype=float32",
+        "capture.shard_size=4",
+        f"draft.algorithm={algorithm}",
+        "draft.draft_vocab_size=128",
+        "device=cpu",
+    ]
+
+
+def train_overrides(out: Path, capture: Path | None, steps: int = 6, **extra: object) -> list[str]:
+    ov = [
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.batch_size=4",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "train.ttt_steps=3",
+        "train.eval_every=3",
+        "train.save_every=2",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "train.keep_checkpoints=10",
+    ]
+    if capture is not None:
+        ov += ["train.mode=offline", f"train.data_dir={capture}"]
+    else:
+        ov += ["train.mode=online"]
+    ov += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+    return ov
+
+
+class Workspace:
+    """A tiny target folder, a conversation file and a capture of it for one algorithm."""
+
+    def __init__(self, root: Path, family: str = "llama", algorithm: str = "eagle3") -> None:
+        from eagle.capture.runner import run_capture
+
+        self.root = root
+        self.algorithm = algorithm
+        self.target = save_model(family, root / "target")
+        self.conversations = write_conversations(root / "convs.jsonl")
+        self.base = base_overrides(self.target, self.conversations, algorithm)
+        self.capture = root / "capture"
+        run_capture(compose(self.base + [f"output_dir={self.capture}"]))
+
+    def cfg(self, out: Path, online: bool = False, steps: int = 6, **extra: object):
+        return compose(self.base + train_overrides(out, None if online else self.capture, steps, **extra))
+
+
+@pytest.fixture(scope="module")
+def ws3(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("ws3"), "llama", "eagle3")
+
+
+@pytest.fixture(scope="module")
+def ws1(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("ws1"), "qwen2", "eagle1")
+
+
+def head_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = head_weights(a), head_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs between {a} and {b}"
+
+
+def final_head(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step:07d}" / "head"
+
+
+# --------------------------------------------------------------------------------------- maths
+def test_lr_factor_warmup_and_decay_shapes():
+    # Warmup: linear from 1/W to 1.
+    assert lr_factor(0, 4, 100, "cosine", 0.1) == pytest.approx(0.25)
+    assert lr_factor(3, 4, 100, "cosine", 0.1) == pytest.approx(1.0)
+    # Cosine: 1 right after warmup, (1 + min)/2 half-way, min at the end and beyond.
+    assert lr_factor(4, 4, 104, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(54, 4, 104, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_factor(104, 4, 104, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(500, 4, 104, "cosine", 0.1) == pytest.approx(0.1)
+    # Linear: straight line to min.
+    assert lr_factor(54, 4, 104, "linear", 0.2) == pytest.approx(0.6)
+    assert lr_factor(104, 4, 104, "linear", 0.2) == pytest.approx(0.2)
+    assert lr_factor(60, 4, 104, "constant", 0.2) == 1.0
+    assert lr_factor(0, 0, 10, "constant", 0.2) == 1.0
+
+
+def test_simulated_tau_is_chain_acceptance():
+    assert simulated_tau([]) == 1.0
+    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_tau([0.0, 1.0]) == 1.0
+    assert simulated_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert simulated_tau([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_metric_sums_are_token_weighted():
+    s = MetricSums()
+    s.add([2.0, 3.0], [1, 0], [2, 1], {"coverage": 2.0}, tokens=10)
+    s.add([4.0, 3.0], [3, 1], [2, 3], {"coverage": 1.0}, tokens=6)
+    out = s.summary([1.0, 0.5])
+    assert out["loss_0"] == pytest.approx(6 / 4) and out["loss_1"] == pytest.approx(6 / 4)
+    assert out["acc_0"] == pytest.approx(1.0) and out["acc_1"] == pytest.approx(0.25)
+    assert out["loss"] == pytest.approx(1.5 + 0.75)
+    assert out["coverage"] == pytest.approx(3 / 4)
+    assert out["tau_sim"] == pytest.approx(1 + 1 + 0.25)
+    assert s.tokens == 16
+
+
+# --------------------------------------------------------------------------------------- overfit
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: these tiny runs are latency-bound, and two threads on two busy cores thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _soft_ce_floor(batch, lm_head, steps, decay, token_weight, algorithm, pad_id) -> float:
+    """The objective of a perfect head: the target distributions' entropies (CE = H + KL, KL >= 0)."""
+    from eagle.train.losses import shift_left
+    from eagle.train.trainer import _step_masks, aligned_inputs
+
+    a = aligned_inputs(batch, pad_id)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm_head(shift_left(batch["final_hidden"], 1)).float(), -1)  # [B, T, V]
+        ent = -(logp.exp() * logp).sum(-1)  # [B, T]
+    floor = 0.0
+    for i, m in enumerate(_step_masks(a["loss_mask"], a["valid"], steps)):
+        h = float((shift_left(ent, i) * m).sum() / m.sum().clamp(min=1))
+        floor += (token_weight if algorithm == "eagle1" else decay**i) * h
+    return floor
+
+
+@pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_loss_falls_on_a_fixed_batch(fam, algorithm):
+    """Overfit one batch for 60 AdamW steps: the loss above its floor (the target's entropy) must
+    halve, and the head's top-1 must agree with the target's on most positions."""
+    from eagle.capture.features import extract_features
+    from eagle.config import DraftConfig
+    from eagle.heads.io import build_head, head_config_from_target
+    from eagle.train.trainer import head_losses
+
+    model, tok = make_model(fam)
+    texts = [_CORPUS[1], _CORPUS[3] + _CORPUS[0]]
+    rows = [tok(t)["input_ids"][:40] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((2, width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros((2, width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), True
+    head_cfg = head_config_from_target(model.config, DraftConfig(algorithm=algorithm, draft_vocab_size=None,
+                                                                 aux_layer_ids=None))
+    torch.manual_seed(0)
+    head = build_head(head_cfg, target_model=model)
+    feats = extract_features(model, ids, attn.long(), head_cfg.aux_layer_ids or None)
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
+             **{k: v.clone() for k, v in feats.items()}}
+    lm_head = model.get_output_embeddings()
+    steps = 1 if algorithm == "eagle1" else 3
+    floor = _soft_ce_floor(batch, lm_head, steps, 0.8, 0.1, algorithm, tok.pad_token_id)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    kw = dict(steps=steps, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0,
+              pad_id=tok.pad_token_id, norms=None)
+    losses, accs = [], []
+    for _ in range(60):
+        parts = head_losses(head, lm_head, batch, **kw)
+        opt.zero_grad()
+        parts.objective.backward()
+        opt.step()
+        losses.append(float(parts.objective.detach()))
+        accs.append(parts.step_correct[0] / parts.step_tokens[0])
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] > floor and losses[-1] > floor - 1e-4  # sanity of the floor itself
+    assert losses[-1] - floor < 0.5 * (losses[0] - floor), (floor, losses[::10])
+    assert accs[-1] >= 0.5 and accs[-1] > accs[0] + 0.3, accs[::10]
+
+
+# --------------------------------------------------------------------------------------- batches
+def test_offline_and_online_batches_are_the_same(ws3, tmp_path):
+    from eagle.data.dataset import build_splits
+    from eagle.targets import load_target
+    from eagle.train.batches import BatchStream, OfflineSplit, OnlineSplit
+
+    cfg = ws3.cfg(tmp_path / "x")
+    target, tok, info = load_target(cfg.target)
+    splits = build_splits(cfg.data, tok, progress=False)
+    aux = [1, 2, 3]  # default_aux_layer_ids for the 4-layer tiny target
+    offline = BatchStream(OfflineSplit(ws3.capture, "train", seed=0), 0, 4, 2, 48, tok.pad_token_id)
+    online = BatchStream(OnlineSplit(splits.train, cfg.capture.shard_size, target, aux), 0, 4, 2, 48,
+                         tok.pad_token_id)
+    for _ in range(7):  # crosses an epoch boundary (18 items / 4 per step)
+        mo, io = offline.next_step()
+        mn, in_ = online.next_step()
+        assert io == in_ and len(mo) == len(mn) == 2
+        for bo, bn in zip(mo, mn):
+            bo = offline.data.featurize(bo, torch.device("cpu"))
+            bn = online.data.featurize(bn, torch.device("cpu"))
+            for k in ("input_ids", "loss_mask", "attention_mask"):
+                assert torch.equal(bo[k], bn[k]), k
+            m = bo["attention_mask"]
+            for k in ("final_hidden", "aux_hidden"):
+                torch.testing.assert_close(bo[k][m], bn[k][m], atol=1e-5, rtol=1e-4)
+    assert offline.position == online.position
+    counts_off = OfflineSplit(ws3.capture, "train").token_counts(info.vocab_size)
+    counts_on = OnlineSplit(splits.train, 4, target, aux).token_counts(info.vocab_size)
+    assert torch.equal(counts_off, counts_on) and counts_off.sum() > 0
+
+
+def test_batch_stream_resumes_from_a_position(ws3):
+    from eagle.train.batches import BatchStream, DataPosition, OfflineSplit
+
+    split = OfflineSplit(ws3.capture, "train", seed=3)
+    full = BatchStream(split, 3, 4, 1, 64, 0)
+    seq = [full.next_indices() for _ in range(9)]
+    again = BatchStream(split, 3, 4, 1, 64, 0, position=DataPosition(0, 0))
+    for _ in range(4):
+        again.next_indices()
+    resumed = BatchStream(split, 3, 4, 1, 64, 0, position=again.position)
+    assert [resumed.next_indices() for _ in range(5)] == seq[4:]
+    # Every epoch is a permutation: no item repeats within an epoch.
+    per_epoch = len(split) // 4
+    first = [i for s in seq[:per_epoch] for i in s]
+    assert len(set(first)) == len(first)
+    assert seq[:per_epoch] != seq[per_epoch : 2 * per_epoch]
+
+
+def test_micro_slices_partition_the_global_batch():
+    from eagle.config import ConfigError
+    from eagle.train.batches import micro_slices
+
+    covered = sorted(i for r in range(2) for s in micro_slices(8, 2, 2, r) for i in range(8)[s])
+    assert covered == list(range(8))
+    with pytest.raises(ConfigError, match="divisible"):
+        micro_slices(6, 2, 2, 0)
+
+
+# --------------------------------------------------------------------------------------- training runs
+def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
+    from eagle.heads.io import load_head, read_head_extra
+    from eagle.targets import load_target
+    from eagle.train.checkpoint import resolve_head_dir
+    from eagle.train.trainer import format_result, train
+
+    out = tmp_path / "out"
+    result = train(ws3.cfg(out, steps=6))
+    assert result.stopped == "max_steps" and result.step == 6
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s:07d}" for s in (2, 4, 6)]
+    assert (out / "latest").read_text().strip() == "checkpoints/step-0000006"
+    assert result.eval_metrics["tau_sim"] >= 1.0 and "acc_2" in result.eval_metrics
+    assert result.best_metric == max(r["tau_sim"] for r in map(json.loads, (out / "metrics.jsonl").open())
+                                     if r["split"] == "eval")
+    target, _, _ = load_target(ws3.cfg(out).target)
+    head = load_head(resolve_head_dir(out), target_model=target, algorithm="eagle3")
+    assert head.config.draft_vocab_size == 128 and int(head.t2d.sum()) == 128
+    assert read_head_extra(out / "best")["step"] == result.best_step
+    text = format_result(result)
+    assert "acc@0=" in text and "tau_sim=" in text
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if x["split"] == "train"]
+    assert [x["step"] for x in train_lines] == list(range(1, 7))
+    assert {"loss", "loss_0", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s"} <= train_lines[0].keys()
+
+
+@pytest.mark.parametrize("which", ["ws1", "ws3"])
+def test_interrupt_and_resume_is_bit_exact(which, request, tmp_path):
+    """Run 7 steps straight vs crash after step 5 (last checkpoint at 4), resume: same weights."""
+    from eagle.train.trainer import TrainHooks, train
+
+    ws = request.getfixturevalue(which)
+    extra = {"draft__feature_noise_std": 0.2} if which == "ws1" else {}
+    straight = train(ws.cfg(tmp_path / "a", steps=7, **extra))
+
+    def crash(step: int) -> None:
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(ws.cfg(tmp_path / "b", steps=7, **extra), TrainHooks(on_step_end=crash))
+    resumed = train(ws.cfg(tmp_path / "b", steps=7, **extra))
+    assert resumed.step == straight.step == 7
+    assert_same_weights(final_head(tmp_path / "a", 7), final_head(tmp_path / "b", 7))
+    # Optimizer state too: Adam moments are part of "the same run".
+    from eagle.train.checkpoint import load_torch
+
+    oa = load_torch(tmp_path / "a" / "checkpoints" / "step-0000007" / "optimizer.pt")
+    ob = load_torch(tmp_path / "b" / "checkpoints" / "step-0000007" / "optimizer.pt")
+    for k, st in oa["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, ob["state"][k][name]), (k, name)
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes(ws3, tmp_path):
+    from eagle.train.trainer import TrainHooks, train
+
+    def term(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stopped = train(ws3.cfg(tmp_path / "b", steps=6), TrainHooks(on_step_end=term))
+    assert signal.getsignal(signal.SIGTERM) is previous  # handler restored
+    # The signal arrived after step 3's hook: step 4 is finished, saved, and the run stops.
+    assert stopped.stopped == "signal" and stopped.step == 4
+    assert stopped.last_checkpoint.name == "step-0000004"
+    resumed = train(ws3.cfg(tmp_path / "b", steps=6))
+    straight = train(ws3.cfg(tmp_path / "a", steps=6))
+    assert resumed.stopped == "max_steps"
+    assert_same_weights(final_head(tmp_path / "a", 6), final_head(tmp_path / "b", 6))
+
+
+def _inject_nan(monkeypatch, conversation_id: str) -> None:
+    from eagle.train import batches
+
+    original = batches.OfflineSplit.item
+
+    def item(self, index):
+        it = original(self, index)
+        if it["id"] == conversation_id and self.split == "train":
+            it = dict(it)
+            it["aux_hidden"] = torch.full_like(it["aux_hidden"], float("nan"))
+        return it
+
+    monkeypatch.setattr(batches.OfflineSplit, "item", item)
+
+
+def _ids_of_step(ws: Workspace, step: int) -> list[str]:
+    from eagle.train.batches import BatchStream, OfflineSplit
+
+    split = OfflineSplit(ws.capture, "train", seed=0)
+    stream = BatchStream(split, 0, 4, 1, 64, 0)
+    for _ in range(step - 1):
+        stream.next_indices()
+    return [split.item(i)["id"] for i in stream.next_indices()]
+
+
+def test_nonfinite_skip_logs_and_skips_the_step(ws3, tmp_path, monkeypatch, capsys):
+    from eagle.train.trainer import train
+
+    bad = _ids_of_step(ws3, 3)[0]
+    _inject_nan(monkeypatch, bad)
+    result = train(ws3.cfg(tmp_path / "o", steps=4, train__nonfinite="skip"))
+    assert result.skipped_steps == [3] and result.step == 4
+    captured = capsys.readouterr()
+    assert f"non-finite loss or gradient at step 3" in captured.out + captured.err
+    assert bad in captured.out + captured.err
+    for folder in (final_head(tmp_path / "o", 4), tmp_path / "o" / "best"):
+        assert all(torch.isfinite(v).all() for v in head_weights(folder).values() if v.is_floating_point())
+    state = json.loads((tmp_path / "o" / "checkpoints" / "step-0000004" / "state.json").read_text())
+    assert state["skipped_steps"] == [3]
+
+
+def test_nonfinite_stop_saves_last_good_state(ws3, tmp_path, monkeypatch):
+    from eagle.train.trainer import train
+
+    _inject_nan(monkeypatch, _ids_of_step(ws3, 3)[0])
+    result = train(ws3.cfg(tmp_path / "o", steps=6, train__nonfinite="stop", train__save_every=100))
+    assert result.stopped == "nonfinite" and result.step == 2
+    assert result.last_checkpoint.name == "step-0000002"
+    state = json.loads((result.last_checkpoint / "state.json").read_text())
+    assert (state["epoch"], state["index"]) == (0, 8)  # resuming retries the bad batch
+    monkeypatch.undo()
+    clean = train(ws3.cfg(tmp_path / "clean", steps=2))
+    assert_same_weights(result.last_checkpoint / "head", final_head(tmp_path / "clean", 2))
+
+
+# --------------------------------------------------------------------------------------- refusals
+def test_refuses_capture_of_another_target(ws3, tmp_path):
+    from eagle.train.trainer import train
+
+    other = save_model("llama", tmp_path / "other-target", seed=1)
+    cfg = compose(base_overrides(other, ws3.conversations, "eagle3") + train_overrides(tmp_path / "o", ws3.capture))
+    with pytest.raises(CaptureError, match="fingerprint"):
+        train(cfg)
+
+
+def test_refuses_capture_with_other_layers(ws3, tmp_path):
+    from eagle.train.trainer import train
+
+    with pytest.raises(CaptureError, match="aux layers"):
+        train(ws3.cfg(tmp_path / "o", draft__aux_layer_ids="[0,1,2]"))
+
+
+def test_refuses_checkpoint_of_another_algorithm(ws3, tmp_path):
+    from eagle.train.trainer import train
+
+    out = tmp_path / "o"
+    train(ws3.cfg(out, steps=2))
+    cfg = compose(ws3.base + train_overrides(out, ws3.capture, steps=4) + ["draft.algorithm=eagle1"])
+    with pytest.raises(CheckpointError, match="eagle3"):
+        train(cfg)
+    with pytest.raises(CheckpointError, match="resume=false"):
+        train(ws3.cfg(out, steps=4, train__resume="false"))
+
+
+# --------------------------------------------------------------------------------------- online + wandb
+def test_online_training_matches_offline(ws3, tmp_path):
+    """Same data and seed: the online run (target in the loop) trains the same head as offline."""
+    from eagle.train.trainer import train
+
+    off = train(ws3.cfg(tmp_path / "off", steps=3))
+    on = train(ws3.cfg(tmp_path / "on", online=True, steps=3))
+    wa, wb = head_weights(final_head(tmp_path / "off", 3)), head_weights(final_head(tmp_path / "on", 3))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    assert on.eval_metrics["acc_0"] == pytest.approx(off.eval_metrics["acc_0"], abs=1e-6)
+
+
+def test_wandb_offline_run_holds_the_metrics(ws3, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from eagle.train.trainer import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "o"
+    train(ws3.cfg(out, steps=3, logger__name="wandb", logger__project="eagle-test", logger__run_name="tiny"))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = _read_wandb_history(next(runs[0].glob("*.wandb")))
+    steps = {int(r["_step"]) for r in records if "train/loss" in r}
+    assert steps == {1, 2, 3}
+    assert any("eval/tau_sim" in r for r in records)
+    assert (out / "wandb_run_id").read_text().strip() in runs[0].name
+
+
+def _read_wandb_history(path: Path) -> list[dict]:
+    """History rows from a wandb transaction log (its own datastore reader + protobufs)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    ds = datastore.DataStore()
+    ds.open_for_scan(str(path))
+    rows = []
+    while True:
+        data = ds.scan_data()
+        if data is None:
+            break
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+    return rows
