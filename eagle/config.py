@@ -62,6 +62,10 @@ class RegenerateConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    max_turns: int | None = None  # regenerate only the first N assistant turns (None: all)
+    # A turn whose prompt is longer than this ends the conversation there: one long prompt would
+    # stall its whole left-padded batch, and training truncates at data.max_length anyway.
+    max_prompt_tokens: int = 1536
 
 
 @dataclass
@@ -219,6 +223,8 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive("regenerate.batch_size", cfg.regenerate.batch_size)
     _positive("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens)
     _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)
+    _positive("regenerate.max_turns", cfg.regenerate.max_turns)
+    _positive("regenerate.max_prompt_tokens", cfg.regenerate.max_prompt_tokens)
     _choice("capture.dtype", cfg.capture.dtype, dtypes)
     _positive("capture.shard_size", cfg.capture.shard_size)
     _positive("capture.batch_tokens", cfg.capture.batch_tokens)

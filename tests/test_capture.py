@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -217,7 +216,7 @@ def test_corrupt_truncated_and_escaping_shards_are_refused(tmp_path, llama):
 def test_free_space_is_checked_before_writing(tmp_path, llama):
     with pytest.raises(CaptureError, match="free"):
         capture(llama, {"train": make_convs(3), "heldout": []}, tmp_path, free_space_margin=1e15)
-    assert not list(tmp_path.glob("*/*.safetensors"))
+    assert not list(tmp_path.iterdir())  # refused before writing anything
 
 
 def test_check_compatible(tmp_path, llama):
@@ -247,7 +246,7 @@ def test_sampler_is_deterministic_and_shard_local():
     starts = [0, 4, 8, 11, 12]
     shard_of = [next(k for k in range(4) if starts[k] <= i < starts[k + 1]) for i in first]
     # contiguous runs: each shard's items come together
-    runs = [shard_of[0]] + [b for a, b in zip(shard_of, shard_of[1:]) if a != b]
+    runs = [shard_of[0]] + [b for a, b in zip(shard_of, shard_of[1:], strict=False) if a != b]
     assert sorted(runs) == [0, 1, 2, 3]
     ranks = [list(ShardShuffleSampler(sizes, seed=5, rank=r, world_size=5)) for r in range(5)]
     assert all(len(r) == 3 for r in ranks) and set().union(*map(set, ranks)) == set(range(12))

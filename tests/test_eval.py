@@ -95,7 +95,10 @@ def _cfg(ws: Path, out: str, *extra: str):
 def greedy_report(workspace):
     from eagle.evaluate import evaluate
 
-    return evaluate(_cfg(workspace, "greedy", "eval.tree_sweep=[4,8]"))
+    threads = torch.get_num_threads()
+    report = evaluate(_cfg(workspace, "greedy", "eval.tree_sweep=[4,8]", "eval.num_threads=1"))
+    assert torch.get_num_threads() == threads  # eval.num_threads applies inside the run only
+    return report
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -137,9 +140,9 @@ def test_report_fields_and_consistency(greedy_report, workspace):
     assert len(r["accept_rate_by_depth"]) <= r["settings"]["tree"]["tree_depth"]
 
     s = r["settings"]
-    assert s["temperature"] == 0.0 and s["draft_kind"] == "training_dir"
+    assert s["temperature"] == 0.0 and s["draft_kind"] == "training_dir" and s["resumed_prompt_ids"] == []
     assert s["draft_folder"].endswith("best")
-    assert s["hardware"]["torch_threads"] >= 1 and s["hardware"]["torch_version"] == torch.__version__
+    assert s["hardware"]["torch_threads"] == 1 and s["hardware"]["torch_version"] == torch.__version__
 
 
 def test_greedy_output_equals_hf_generate(greedy_report):
@@ -186,9 +189,10 @@ def test_resume_reuses_finished_prompts(greedy_report, workspace):
     """A rerun with the same settings reads finished prompts from eval_progress.jsonl instead of re-timing."""
     from eagle.evaluate import evaluate
 
-    again = evaluate(_cfg(workspace, "greedy", "eval.warmup_prompts=0"))
+    again = evaluate(_cfg(workspace, "greedy", "eval.warmup_prompts=0", "eval.num_threads=1"))
     assert [p["seconds"] for p in again["per_prompt"]] == [p["seconds"] for p in greedy_report["per_prompt"]]
     assert again["tau"] == greedy_report["tau"]
+    assert again["settings"]["resumed_prompt_ids"] == ["poem", "code"]
 
 
 def test_sampling_run_other_family(tmp_path):
@@ -285,7 +289,7 @@ def test_smollm2_mt_bench_greedy_match(tmp_path, smollm2):
     save_head(build_head(cfg, model), tmp_path / "head")
     r = evaluate(compose([
         f"draft.path={tmp_path / 'head'}", "eval.prompts=mt_bench", "eval.max_prompts=1", "eval.warmup_prompts=0",
-        "eval.baselines=[hf_generate]", "decode.max_new_tokens=8", f"output_dir={tmp_path / 'out'}",
+        "eval.baselines=[hf_generate]", "decode.max_new_tokens=6", f"output_dir={tmp_path / 'out'}",
     ]))
     assert r["greedy_match"] == 1.0
     assert r["settings"]["prompt_ids"] == ["81"]

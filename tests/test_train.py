@@ -50,25 +50,26 @@ def base_overrides(target_dir: Path, conversations: Path, algorithm: str) -> lis
 
 
 def train_overrides(out: Path, capture: Path | None, steps: int = 6, **extra: object) -> list[str]:
-    ov = [
-        f"output_dir={out}",
-        f"train.max_steps={steps}",
-        "train.batch_size=4",
-        "train.lr=3e-3",
-        "train.warmup_steps=2",
-        "train.ttt_steps=3",
-        "train.eval_every=3",
-        "train.save_every=2",
-        "train.log_every=1",
-        "train.eval_batches=1",
-        "train.keep_checkpoints=10",
-    ]
+    """Small-run training overrides; `extra` as key__sub=value replaces or adds keys."""
+    ov: dict[str, object] = {
+        "output_dir": out,
+        "train.max_steps": steps,
+        "train.batch_size": 4,
+        "train.lr": 3e-3,
+        "train.warmup_steps": 2,
+        "train.ttt_steps": 3,
+        "train.eval_every": 3,
+        "train.save_every": 2,
+        "train.log_every": 1,
+        "train.eval_batches": 1,
+        "train.keep_checkpoints": 10,
+    }
     if capture is not None:
-        ov += ["train.mode=offline", f"train.data_dir={capture}"]
+        ov.update({"train.mode": "offline", "train.data_dir": capture})
     else:
-        ov += ["train.mode=online"]
-    ov += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
-    return ov
+        ov["train.mode"] = "online"
+    ov.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in ov.items()]
 
 
 class Workspace:
@@ -240,7 +241,7 @@ def test_offline_and_online_batches_are_the_same(ws3, tmp_path):
         mo, io = offline.next_step()
         mn, in_ = online.next_step()
         assert io == in_ and len(mo) == len(mn) == 2
-        for bo, bn in zip(mo, mn):
+        for bo, bn in zip(mo, mn, strict=True):
             bo = offline.data.featurize(bo, torch.device("cpu"))
             bn = online.data.featurize(bn, torch.device("cpu"))
             for k in ("input_ids", "loss_mask", "attention_mask"):
@@ -351,7 +352,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes(ws3, tmp_path):
     assert stopped.stopped == "signal" and stopped.step == 4
     assert stopped.last_checkpoint.name == "step-0000004"
     resumed = train(ws3.cfg(tmp_path / "b", steps=6))
-    straight = train(ws3.cfg(tmp_path / "a", steps=6))
+    train(ws3.cfg(tmp_path / "a", steps=6))
     assert resumed.stopped == "max_steps"
     assert_same_weights(final_head(tmp_path / "a", 6), final_head(tmp_path / "b", 6))
 
@@ -389,7 +390,7 @@ def test_nonfinite_skip_logs_and_skips_the_step(ws3, tmp_path, monkeypatch, caps
     result = train(ws3.cfg(tmp_path / "o", steps=4, train__nonfinite="skip"))
     assert result.skipped_steps == [3] and result.step == 4
     captured = capsys.readouterr()
-    assert f"non-finite loss or gradient at step 3" in captured.out + captured.err
+    assert "non-finite loss or gradient at step 3" in captured.out + captured.err
     assert bad in captured.out + captured.err
     for folder in (final_head(tmp_path / "o", 4), tmp_path / "o" / "best"):
         assert all(torch.isfinite(v).all() for v in head_weights(folder).values() if v.is_floating_point())
@@ -407,7 +408,7 @@ def test_nonfinite_stop_saves_last_good_state(ws3, tmp_path, monkeypatch):
     state = json.loads((result.last_checkpoint / "state.json").read_text())
     assert (state["epoch"], state["index"]) == (0, 8)  # resuming retries the bad batch
     monkeypatch.undo()
-    clean = train(ws3.cfg(tmp_path / "clean", steps=2))
+    train(ws3.cfg(tmp_path / "clean", steps=2))
     assert_same_weights(result.last_checkpoint / "head", final_head(tmp_path / "clean", 2))
 
 
@@ -470,20 +471,44 @@ def test_wandb_offline_run_holds_the_metrics(ws3, tmp_path, monkeypatch):
     assert (out / "wandb_run_id").read_text().strip() in runs[0].name
 
 
-def _read_wandb_history(path: Path) -> list[dict]:
-    """History rows from a wandb transaction log (its own datastore reader + protobufs)."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
+def _wandb_log_records(path: Path) -> list[bytes]:
+    """Raw records of a `.wandb` transaction log: a 7-byte file header (":W&B", magic, version),
+    then LevelDB-log style 32 KiB blocks of records [crc32 u32][length u16][type u8][payload],
+    type 1 = full, 2/3/4 = first/middle/last piece of a record spanning blocks."""
+    import struct
 
-    ds = datastore.DataStore()
-    ds.open_for_scan(str(path))
-    rows = []
-    while True:
-        data = ds.scan_data()
-        if data is None:
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    block, pos, pieces, out = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too small for a header: zero padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
             break
+        if kind == 1:
+            out.append(payload)
+        elif kind == 2:
+            pieces = payload
+        elif kind == 3:
+            pieces += payload
+        elif kind == 4:
+            out.append(pieces + payload)
+    return out
+
+
+def _read_wandb_history(path: Path) -> list[dict]:
+    """History rows (metric name -> value) from a wandb run's local transaction log."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for raw in _wandb_log_records(path):
         rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+        rec.ParseFromString(raw)
         if rec.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in rec.history.item})
     return rows

@@ -264,22 +264,12 @@ def capture_splits(
         raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
     header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs)
 
-    # 1. Identity: every rank checks the same old manifest, so all refuse together (no rank left
-    #    waiting at a barrier). Rank 0 then folds earlier per-rank progress into manifest.json.
+    # 1. Identity, progress and disk space, read-only: every rank checks the same files, so all
+    #    refuse together (no rank is left waiting at a barrier) and a refused run writes nothing.
     if (root / MANIFEST).is_file():
         check_same_capture(read_manifest(root), header, root)
-    if state.is_main_process:
-        remove_stale_tmp(root)
-        done = completed_shards(root)
-        atomic_write_json(root / MANIFEST, assemble_manifest(header, done))
-        for stale in root.glob(RANK_MANIFEST.format(rank="*")):
-            stale.unlink(missing_ok=True)
-    state.wait_for_everyone()
-
-    # 2. What is left, and does it fit on disk?
     done = completed_shards(root)
     todo = [j for j in jobs if (j.split, j.index) not in done]
-    mine = [j for j in todo if j.ordinal % world == rank]
     remaining_tokens = sum(j.tokens for j in todo)
     need = estimate_bytes(remaining_tokens, algorithm, info.hidden_size, capture.dtype)
     total_tokens = sum(j.tokens for j in jobs)
@@ -296,6 +286,16 @@ def capture_splits(
             f"(x capture.free_space_margin={capture.free_space_margin}); free space, choose another output_dir, "
             "or capture fewer conversations (data.max_conversations) / a smaller capture.dtype"
         )
+
+    # 2. Rank 0 clears what a killed run left (temporary files) and folds earlier per-rank progress
+    #    into manifest.json (merged file first, then the parts go: readers always see the union).
+    if state.is_main_process:
+        remove_stale_tmp(root)
+        atomic_write_json(root / MANIFEST, assemble_manifest(header, done))
+        for stale in root.glob(RANK_MANIFEST.format(rank="*")):
+            stale.unlink(missing_ok=True)
+    state.wait_for_everyone()
+    mine = [j for j in todo if j.ordinal % world == rank]
 
     # 3. Capture this rank's shards; a single background writer overlaps disk I/O with the next
     #    shard's forwards (at most one shard waits in memory).

@@ -16,11 +16,10 @@ from eagle.config import RootConfig
 
 
 def run(cfg: RootConfig) -> None:
-    from eagle.train.trainer import format_result, train
-
     from accelerate.state import PartialState
 
     from eagle.errors import EagleError
+    from eagle.train.trainer import format_result, train
 
     result = train(cfg)
     if PartialState().is_main_process:

@@ -124,6 +124,14 @@ def generate_replies(model: Any, tokenizer: Any, histories: list[list[dict[str, 
     return replies
 
 
+def _prompt_tokens(tokenizer: Any, history: list[dict[str, str]]) -> int:
+    try:
+        text = render(tokenizer, history, add_generation_prompt=True)
+    except TemplateFailure:
+        return 0  # the generation call reports template failures itself
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg: RegenerateConfig,
                      stop_ids: list[int]) -> list[dict[str, Any]]:
     """Regenerated records for a batch: one round per assistant turn index. A conversation whose
@@ -132,12 +140,17 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg:
     pending = [list(c.messages) for c in batch]
     history: list[list[dict[str, str]]] = [[] for _ in batch]
     active = list(range(len(batch)))
+    answered = [0] * len(batch)
     while active:
         ask = []
         for b in active:
             # Move the non-assistant turns up to the next assistant turn into the history.
             while pending[b] and pending[b][0]["role"] != "assistant":
                 history[b].append(pending[b].pop(0))
+            if cfg.max_turns is not None and answered[b] >= cfg.max_turns:
+                pending[b] = []
+            elif pending[b] and _prompt_tokens(tokenizer, history[b]) > cfg.max_prompt_tokens:
+                pending[b] = []  # too long to be worth a batch slot; training would truncate it
             if pending[b] and history[b] and history[b][-1]["role"] == "user":
                 ask.append(b)
         if not ask:
@@ -150,6 +163,7 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg:
             pending[b].pop(0)  # the original answer is replaced
             if reply:
                 history[b].append({"role": "assistant", "content": reply})
+                answered[b] += 1
             else:
                 pending[b] = []  # stop this conversation here; the reader counts it if nothing is left
         active = [b for b in ask if pending[b]]

@@ -40,7 +40,7 @@ def choose_tree_size(
         return default
     sizes = sorted(verify_times)
     gains = expected_tokens(scores, sizes)
-    rates = [g / (verify_times[s] + fixed_s) for s, g in zip(sizes, gains)]
+    rates = [g / (verify_times[s] + fixed_s) for s, g in zip(sizes, gains, strict=True)]
     return sizes[max(range(len(sizes)), key=rates.__getitem__)]
 
 

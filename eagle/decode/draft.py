@@ -157,7 +157,7 @@ def draft_static(
             out_hidden[level] = out
             fed = order
         top = _log_probs(head, out_hidden[level]).topk(max_rank, dim=-1).indices  # [F, R]
-        children = ((depths == d + 1)).nonzero().squeeze(1)  # [C]
+        children = (depths == d + 1).nonzero().squeeze(1)  # [C]
         row = (parents[children][:, None] == level[None, :]).float().argmax(1)  # [C] parent's row in `level`
         tokens[children] = head.draft_to_target(top[row, ranks[children]])
     crop_cache(cache, committed)

@@ -86,7 +86,13 @@ class SpeculativeGenerator:
         self.eos = eos_ids(tokenizer, target)
         self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
         self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
+        vd = head.config.draft_vocab_size
+        widest = max(self.static.ranks) + 1 if self.static is not None else decode_cfg.tree_top_k
+        if widest > vd:
+            raise EagleError(f"decode tree asks for {widest} children per node but the head's draft vocabulary "
+                             f"has {vd} tokens; lower decode.tree_top_k or the ranks in decode.static_paths")
         self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
+        self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self.last_result: GenerationResult | None = None
 
     # --- one step pieces -------------------------------------------------------------------------
@@ -101,7 +107,8 @@ class SpeculativeGenerator:
         pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth)
         total = c.tree_total_tokens
         if c.tree == "auto":
-            total = choose_tree_size(self.verify_times or {}, pool.scores, default=total)
+            total = choose_tree_size(self.verify_times or {}, pool.scores, default=total,
+                                     fixed_s=self._step_fixed_s)
         return tree_from_pool(pool, root, total)
 
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
@@ -158,6 +165,7 @@ class SpeculativeGenerator:
             res.tree_sizes.append(tree.size)
             res.timings.draft_s += t1 - t0
             res.timings.target_s += t2 - t1
+            self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
             yield emitted
             if stop.done:
                 break

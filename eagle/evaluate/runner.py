@@ -78,7 +78,7 @@ def turn_inputs(tokenizer: Any, prompt: EvalPrompt, answers: list[str]) -> list[
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or the shorter length), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -140,8 +140,12 @@ def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner
     return prompt_record(prompt.id, prompt.category, turns)
 
 
-def _fingerprint(cfg: RootConfig, decode: DecodeConfig) -> str:
-    keys = {"target": asdict(cfg.target), "draft": cfg.draft.path, "decode": asdict(decode),
+def _fingerprint(cfg: RootConfig, decode: DecodeConfig, draft_folder: Path, target_fingerprint: str) -> str:
+    """Identity of everything a stored measurement depends on (a retrained head changes it)."""
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(draft_folder).iterdir()
+                     if f.is_file())
+    keys = {"target": asdict(cfg.target), "target_fingerprint": target_fingerprint, "draft": str(draft_folder),
+            "draft_files": weights, "decode": asdict(decode),
             "eval": {k: v for k, v in asdict(cfg.eval).items() if k not in ("tree_sweep", "warmup_prompts")}}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -273,10 +277,14 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             run_prompt(replace(prompt, turns=prompt.turns[:1]), tokenizer, runners, decode.temperature, stop_ids)
 
         progress = out / PROGRESS
-        fingerprint = _fingerprint(cfg, decode)
+        fingerprint = _fingerprint(cfg, decode, draft.folder, info.fingerprint)
         done = _load_progress(progress, fingerprint)
         if not done and progress.exists():
             progress.unlink()
+        reused = [p.id for p in prompts if p.id in done]
+        if reused:
+            log.warning("reusing %d finished prompts from %s (same settings); delete it to measure them again",
+                        len(reused), progress)
         per_prompt = []
         for prompt in tqdm(prompts, desc="eval", unit="prompt"):
             if prompt.id in done:
@@ -308,6 +316,7 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             "auto_verify_seconds": ({str(k): v for k, v in generator.verify_times.items()}
                                     if generator.verify_times else None),
             "warmup_prompts": cfg.eval.warmup_prompts,
+            "resumed_prompt_ids": reused,
             "prompt_lookup_num_tokens": cfg.eval.prompt_lookup_num_tokens,
             "hardware": hardware_info(device),
         }

@@ -210,6 +210,9 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
     ckpts = list_checkpoints(output_dir)
     for old in ckpts[: max(0, len(ckpts) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
+    # Called right after a save completed, so any temporary folder left is from a killed run.
+    for torn in (Path(output_dir) / CHECKPOINTS).glob(".tmp-step-*"):
+        shutil.rmtree(torn, ignore_errors=True)
 
 
 def find_latest_checkpoint(output_dir: str | Path) -> Path | None:

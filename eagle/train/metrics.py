@@ -85,7 +85,7 @@ class MetricSums:
         n = len(self.step_correct)
         return MetricSums(
             v[1 : 1 + n], v[1 + n : 1 + 2 * n], v[1 + 2 * n : 1 + 3 * n],
-            dict(zip(keys, v[1 + 3 * n :])), v[0],
+            dict(zip(keys, v[1 + 3 * n :], strict=True)), v[0],
         )
 
     def summary(self, loss_weights: Sequence[float], extra_weights: dict[str, float] | None = None) -> dict[str, float]:
@@ -96,7 +96,7 @@ class MetricSums:
         """
         out: dict[str, float] = {}
         accs, total = [], 0.0
-        for i, (ls, c, n) in enumerate(zip(self.step_loss, self.step_correct, self.step_tokens)):
+        for i, (ls, c, n) in enumerate(zip(self.step_loss, self.step_correct, self.step_tokens, strict=True)):
             out[f"loss_{i}"] = ls / max(n, 1.0)
             accs.append(c / max(n, 1.0))
             out[f"acc_{i}"] = accs[-1]

@@ -153,8 +153,8 @@ def head_losses(
             d2t = torch.zeros(target_logits.shape[-1], dtype=torch.long, device=target_logits.device)
         r3 = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
         objective = sum(decay**i * r3.step_losses[i] * (counts[i] / norms_list[i]) for i in range(steps))
-        step_loss = [float(x.detach()) * n for x, n in zip(r3.step_losses, r3.step_counts)]
-        step_correct = [round(float(x) * n) for x, n in zip(r3.step_accuracy, r3.step_counts)]
+        step_loss = [float(x.detach()) * n for x, n in zip(r3.step_losses, r3.step_counts, strict=True)]
+        step_correct = [round(float(x) * n) for x, n in zip(r3.step_accuracy, r3.step_counts, strict=True)]
         step_tokens = [float(n) for n in r3.step_counts]
         if r3.coverage is not None and algo == "eagle3":
             extra["coverage"] = float(r3.coverage) * r3.step_counts[0]
@@ -282,23 +282,26 @@ def _prepare_output(cfg: RootConfig) -> Path | None:
 
 def _make_accelerator(cfg: RootConfig):
     from accelerate import Accelerator
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
-    if PartialState().distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError(
-            f"eagle-train runs data-parallel (DDP) only; the accelerate config asks for "
-            f"{PartialState().distributed_type.value}. Re-run `accelerate config` choosing multi-GPU without "
-            "FSDP/DeepSpeed (the head is one layer: it needs no sharding)"
-        )
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_steps=cfg.train.grad_accum,
-        cpu=cfg.device == "cpu",
+        # Without an accelerator say so explicitly: a multi-process launch on CPU then uses gloo.
+        cpu=cfg.device == "cpu" or (cfg.device is None and not torch.cuda.is_available()),
         # Unused parameters never occur (every head weight is in every step's graph); saying so
         # spares DDP a graph walk per step.
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
     )
+    # Checked after creating the Accelerator: a bare PartialState() first would settle the process
+    # group without the cpu flag and turn a multi-process CPU launch into N single processes.
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(
+            f"eagle-train runs data-parallel (DDP) only; the accelerate config asks for "
+            f"{accelerator.distributed_type.value}. Re-run `accelerate config` choosing multi-GPU without "
+            "FSDP/DeepSpeed (the head is one layer: it needs no sharding)"
+        )
+    return accelerator
 
 
 # --------------------------------------------------------------------------------------- evaluation

