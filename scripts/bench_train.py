@@ -32,7 +32,7 @@ def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> di
     from eagle.cli.app import compose
     from eagle.train.trainer import train
 
-    out = work / f"train-{mode}"
+    out = work / f"train-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = base + [
         f"output_dir={out}",
         f"train.mode={mode}",
@@ -52,6 +52,8 @@ def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> di
     t0 = time.perf_counter()
     result = train(compose(overrides))
     wall = time.perf_counter() - t0
+    if result.stopped != "max_steps":  # SIGINT/SIGTERM (checkpoint saved) or non-finite stop
+        raise SystemExit(f"bench_train: {mode} run stopped early ({result.stopped}) at step {result.step}")
     timed = sum(result.timings.values())
     return {
         "mode": mode,
