@@ -22,8 +22,8 @@ from eagle.cli.app import compose
 from eagle.config import DraftConfig, TargetConfig
 from eagle.errors import CheckpointError
 from eagle.evaluate import metrics
-from eagle.evaluate.draft import load_draft, resolve_draft, resolve_draft_path
 from eagle.heads.io import build_head, head_config_from_target, save_head
+from eagle.heads.resolve import load_draft, resolve_draft, resolve_draft_path
 from eagle.targets import load_target
 from tests.tiny_models import save_model
 

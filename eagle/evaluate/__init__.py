@@ -22,8 +22,8 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
 
 
 def resolve_draft_path(path: str | Path | None) -> Path:
-    """See `eagle.evaluate.draft.resolve_draft_path`."""
-    from eagle.evaluate.draft import resolve_draft_path as _resolve
+    """See `eagle.heads.resolve.resolve_draft_path`."""
+    from eagle.heads.resolve import resolve_draft_path as _resolve
 
     return _resolve(path)
 

@@ -29,8 +29,8 @@ from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
 from eagle.evaluate import metrics, plots
 from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
-from eagle.evaluate.draft import load_draft, resolve_draft
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
+from eagle.heads.resolve import load_draft, resolve_draft
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"

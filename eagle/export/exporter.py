@@ -31,6 +31,7 @@ from eagle.export.formats import (
 )
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.resolve import resolve_draft
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +41,9 @@ _HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin"
 
 
 def resolve_head_source(path: str | Path) -> tuple[Path, Path | None]:
-    """`draft.path` -> (head folder, training output dir or None).
-
-    Accepts a training output dir (its `best/`), a training checkpoint (`checkpoints/step-N/`,
-    whose `head/` is used), a head folder (`save_head` output) or an exported folder.
-    """
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ExportError(f"draft.path={str(path)!r} is not a folder (give a training output dir, a checkpoint "
-                          "dir or a head folder)")
-    if (p / HEAD_CONFIG_FILE).is_file() or (p / CONFIG_FILE).is_file():
-        train_dir = p.parent if (p.parent / "train_config.yaml").is_file() else None
-        if p.name == "head" and p.parent.parent.name == "checkpoints":  # checkpoints/step-N/head
-            train_dir = p.parent.parent.parent
-        return p, train_dir
-    if (p / "best" / HEAD_CONFIG_FILE).is_file():
-        return p / "best", p
-    if (p / "head" / HEAD_CONFIG_FILE).is_file():  # a checkpoint dir
-        out = p.parent.parent if p.parent.name == "checkpoints" else None
-        return p / "head", out
-    raise ExportError(f"draft.path={str(path)!r} holds no draft head: expected {HEAD_CONFIG_FILE} or "
-                      f"{CONFIG_FILE} in it, in best/ (training output dir) or in head/ (checkpoint dir)")
+    """`draft.path` -> (folder to export from, training output dir or None); see `eagle.heads.resolve`."""
+    resolved = resolve_draft(path)
+    return resolved.folder, resolved.training_dir
 
 
 def verifier_info(target_path: str) -> dict[str, Any]:

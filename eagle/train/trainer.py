@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -282,8 +283,18 @@ def _prepare_output(cfg: RootConfig) -> Path | None:
 
 def _make_accelerator(cfg: RootConfig):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    )
+    if not launched:
+        # accelerate keeps process-wide state; a second train() in the same process (a notebook,
+        # tests) with another mixed precision or accumulation would be refused or silently keep
+        # the first run's settings. Single-process state is safe to rebuild.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     accelerator = Accelerator(
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_steps=cfg.train.grad_accum,

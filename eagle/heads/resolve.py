@@ -26,6 +26,15 @@ class ResolvedDraft:
     kind: str  # head | exported
     source: str  # what the user gave in draft.path
     via: str  # training_dir | checkpoint | head | exported: how `source` was read
+    training_dir: Path | None = None  # the eagle-train output dir it came from, when known (provenance)
+
+
+def _training_dir_of(folder: Path) -> Path | None:
+    """The eagle-train output dir above a head folder (best/, checkpoints/step-N[/head]), if any."""
+    for candidate in (folder, *folder.parents[:3]):
+        if (candidate / "train_config.yaml").is_file():
+            return candidate
+    return None
 
 
 def _head_folder(path: Path) -> Path | None:
@@ -59,13 +68,13 @@ def resolve_draft(path: str | Path | None) -> ResolvedDraft:
         if best is None:
             raise CheckpointError(f"draft.path={source!r}: {p / 'best'} has no {HEAD_CONFIG}; the best head was not "
                                   "fully written (re-run eagle-train to resume, or point draft.path at a checkpoint)")
-        return ResolvedDraft(best, "head", source, "training_dir")
+        return ResolvedDraft(best, "head", source, "training_dir", p)
     if (p / "config.json").is_file():  # checked first: an hf export also carries head_config.json
-        return ResolvedDraft(p, "exported", source, "exported")
+        return ResolvedDraft(p, "exported", source, "exported", _training_dir_of(p))
     head = _head_folder(p)
     if head is not None:
         via = "checkpoint" if p.name.startswith("step-") else "head"
-        return ResolvedDraft(head, "head", source, via)
+        return ResolvedDraft(head, "head", source, via, _training_dir_of(head))
     latest = _latest_checkpoint(p)
     if latest is not None:
         raise CheckpointError(f"draft.path={source!r} is a training output dir without a best/ head (training has not "
