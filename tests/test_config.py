@@ -49,7 +49,7 @@ def test_every_recipe_composes(recipe):
 def test_recipe_values_override_groups():
     cfg = compose(["recipe=smollm2-135m-instruct"])
     assert cfg.draft.aux_layer_ids == [2, 15, 27]
-    assert cfg.train.max_steps == 4000
+    assert cfg.train.max_steps == 3000
     # and the command line still wins over the recipe
     assert compose(["recipe=smollm2-135m-instruct", "train.max_steps=7"]).train.max_steps == 7
 

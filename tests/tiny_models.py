@@ -15,7 +15,7 @@ tested on differently shaped templates and model configs without any download:
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -72,7 +72,7 @@ _CORPUS = [
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tokenizer_json(family: str) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -8,6 +8,7 @@ resolved config is written into `output_dir`, and `stage_fn(cfg)` runs. Errors t
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -45,12 +46,33 @@ def compose(overrides: Sequence[str] = ()) -> RootConfig:
 def save_resolved_config(cfg: RootConfig, stage: str) -> Path:
     """Write the resolved config of a run next to its artifacts: `<output_dir>/<stage>_config.yaml`."""
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stage}_config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    os.replace(tmp, path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise EagleError(f"output_dir={cfg.output_dir!r} is not writable ({e.strerror or e}); "
+                         "choose another output_dir or fix its permissions") from e
     return path
+
+
+# Storage failures mid-run: every artifact is written atomically, so what exists is valid and the
+# same command resumes once the cause is fixed.
+_STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                   errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                   errno.EPERM: "operation not permitted", errno.ENOTDIR: "a path component is not a folder"}
+
+
+def storage_error_message(stage: str, err: OSError) -> str | None:
+    """One clear message for a storage failure, or None when `err` is not one."""
+    reason = _STORAGE_ERRNOS.get(err.errno or -1)
+    if reason is None:
+        return None
+    where = f" writing {err.filename}" if err.filename else ""
+    return (f"eagle-{stage}: error: {reason}{where}. Everything written before stays valid (atomic writes); "
+            "free space or fix the output location, then run the same command again to resume.")
 
 
 def run_app(stage: str, stage_fn: Callable[[RootConfig], Any]) -> None:
@@ -67,6 +89,12 @@ def run_app(stage: str, stage_fn: Callable[[RootConfig], Any]) -> None:
             stage_fn(cfg)
         except EagleError as e:
             print(f"eagle-{stage}: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as e:
+            message = storage_error_message(stage, e)
+            if message is None:
+                raise
+            print(message, file=sys.stderr)
             sys.exit(2)
 
     _main()

@@ -61,6 +61,8 @@ class TrainResult:
     best_step: int | None
     last_checkpoint: Path | None
     eval_metrics: dict[str, float] = field(default_factory=dict)  # last held-out evaluation
+    # Held-out metrics of the freshly initialised head (fresh runs only): the baseline training must beat.
+    initial_eval_metrics: dict[str, float] = field(default_factory=dict)
     train_metrics: dict[str, float] = field(default_factory=dict)  # last logged training window
     skipped_steps: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0)
@@ -452,6 +454,14 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
         tracker.write(f"eagle-train: resumed from {resume_from} (step {state.step}, epoch {state.epoch}, "
                       f"item {state.index})")
 
+    if resume_from is None and state.step == 0 and held_split is not None:
+        # The untrained head's held-out figures, so every run states what training bought. Evaluation
+        # draws no random numbers, so this leaves the run itself (and bit-for-bit resume) unchanged.
+        with timer("eval"):
+            result.initial_eval_metrics = evaluate(accelerator.unwrap_model(wrapper).head, lm_head, held_split,
+                                                   cfg, accelerator, pad_id)
+        tracker.log(result.initial_eval_metrics, 0, prefix="eval_untrained")
+
     with _StopFlag() as stop:
         while state.step < t.max_steps:
             pre_position = DataPosition(stream.position.epoch, stream.position.index)
@@ -566,8 +576,11 @@ def format_result(result: TrainResult) -> str:
     lines = [f"eagle-train: {result.stopped} at step {result.step}; output in {result.output_dir}"]
     m = result.eval_metrics
     if m:
-        accs = [f"acc@{i}={m[f'acc_{i}']:.3f}" for i in range(len(m)) if f"acc_{i}" in m]
-        lines.append(f"held-out: loss={m['loss']:.4f} " + " ".join(accs) + f" tau_sim={m['tau_sim']:.3f}")
+        for label, metrics in (("untrained head", result.initial_eval_metrics), ("held-out", m)):
+            if metrics:
+                accs = [f"acc@{i}={metrics[f'acc_{i}']:.3f}" for i in range(len(metrics)) if f"acc_{i}" in metrics]
+                lines.append(f"{label}: loss={metrics['loss']:.4f} " + " ".join(accs)
+                             + f" tau_sim={metrics['tau_sim']:.3f}")
     else:
         lines.append("held-out: no held-out split (data.heldout_fraction=0 or none captured); best/ = final weights")
     if result.best_dir is not None:
