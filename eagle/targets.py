@@ -23,6 +23,7 @@ import torch
 from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
 from eagle.errors import TargetError
+from eagle.fileio import file_sha256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,14 +45,6 @@ def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle")).expanduser()
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _cached_file_hash(path: Path, cache_dir: Path) -> str:

@@ -286,8 +286,8 @@ def test_micro_slices_partition_the_global_batch():
 # --------------------------------------------------------------------------------------- training runs
 def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
     from eagle.heads.io import load_head, read_head_extra
+    from eagle.heads.resolve import resolve_draft_path as resolve_head_dir
     from eagle.targets import load_target
-    from eagle.train.checkpoint import resolve_head_dir
     from eagle.train.trainer import format_result, train
 
     out = tmp_path / "out"

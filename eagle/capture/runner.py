@@ -33,7 +33,6 @@ from eagle.capture.store import (
     SPLITS,
     STORAGE_DTYPES,
     assemble_manifest,
-    atomic_write_json,
     check_same_capture,
     completed_shards,
     read_manifest,
@@ -42,6 +41,7 @@ from eagle.capture.store import (
 )
 from eagle.config import CaptureConfig, RootConfig
 from eagle.errors import CaptureError
+from eagle.fileio import atomic_write_json
 from eagle.targets import TargetInfo, default_aux_layer_ids
 
 

@@ -16,17 +16,16 @@ manifest and never read.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle.errors import CaptureError
+from eagle.fileio import file_sha256, fsync_dir, temp_path
 
 FORMAT = "eagle-capture"
 FORMAT_VERSION = 1
@@ -49,54 +48,6 @@ IDENTITY_FIELDS = (
 
 
 # --- atomic files ---------------------------------------------------------------------------------
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some filesystems cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _tmp_path(path: Path) -> Path:
-    # A dot-prefixed name with the pid: never a shard name, and two processes never share it.
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    return Path(name)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def remove_stale_tmp(root: Path) -> int:
@@ -174,7 +125,7 @@ def write_shard(
     # One metadata key: safetensors writes its metadata map in hash order, and a single entry keeps
     # the file bytes (and so the sha256) a deterministic function of the shard's contents.
     metadata = {SHARD_METADATA_KEY: json.dumps({"format": FORMAT, "split": split, "index": index, "ids": ids})}
-    tmp = _tmp_path(path)
+    tmp = temp_path(path)
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as f:
@@ -182,7 +133,7 @@ def write_shard(
         sha = file_sha256(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()

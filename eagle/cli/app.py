@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from eagle.config import RootConfig, register_configs, to_root_config
 from eagle.errors import EagleError
+from eagle.fileio import atomic_write_text
 
 
 def conf_dir() -> Path:
@@ -49,9 +50,7 @@ def save_resolved_config(cfg: RootConfig, stage: str) -> Path:
     path = out / f"{stage}_config.yaml"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".yaml.tmp")
-        tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        os.replace(tmp, path)
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     except OSError as e:
         raise EagleError(f"output_dir={cfg.output_dir!r} is not writable ({e.strerror or e}); "
                          "choose another output_dir or fix its permissions") from e

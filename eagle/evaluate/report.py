@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from eagle.evaluate import metrics
+from eagle.fileio import atomic_write_text
 
 SPEC = "speculative"
 
@@ -220,10 +221,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     return path
 
 

@@ -75,6 +75,9 @@ def resolve_draft(path: str | Path | None) -> ResolvedDraft:
     if head is not None:
         via = "checkpoint" if p.name.startswith("step-") else "head"
         return ResolvedDraft(head, "head", source, via, _training_dir_of(head))
+    old_best = _head_folder(p / ".best.old")  # training was killed between the two renames of save_best
+    if old_best is not None:
+        return ResolvedDraft(old_best, "head", source, "training_dir", p)
     latest = _latest_checkpoint(p)
     if latest is not None:
         raise CheckpointError(f"draft.path={source!r} is a training output dir without a best/ head (training has not "

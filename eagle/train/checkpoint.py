@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from eagle.errors import CheckpointError
+from eagle.fileio import atomic_write_text, fsync_dir, fsync_tree
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -66,38 +67,6 @@ class TrainState:
 
 
 # --- fs helpers -----------------------------------------------------------------------------------
-
-
-def fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file under `folder` and the folders themselves, so a rename publishes durable data."""
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(Path(dirpath))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def checkpoint_name(step: int) -> str:
@@ -299,25 +268,3 @@ def save_best(output_dir: str | Path, head: torch.nn.Module, extra: dict[str, An
     fsync_dir(out)
     shutil.rmtree(old, ignore_errors=True)
     return best
-
-
-def resolve_head_dir(path: str | Path) -> Path:
-    """A head folder from what a user may pass as `draft.path`: a training output dir (its `best/`),
-    a checkpoint folder (its `head/`), or a head folder itself."""
-    p = Path(path).expanduser()
-    if (p / "head_config.json").is_file():
-        return p
-    for candidate in (p / BEST, p / "head"):
-        if (candidate / "head_config.json").is_file():
-            return candidate
-    old = p / f".{BEST}.old"  # killed between the two renames of save_best
-    if (old / "head_config.json").is_file():
-        return old
-    if (p / LATEST).is_file() or (p / CHECKPOINTS).is_dir():
-        latest = find_latest_checkpoint(p)
-        if latest is not None and (latest / "head" / "head_config.json").is_file():
-            return latest / "head"
-    raise CheckpointError(
-        f"draft.path={str(path)!r} is not a head folder, a training output dir (with best/) or a checkpoint "
-        "folder (with head/); point it at the output_dir of eagle-train"
-    )

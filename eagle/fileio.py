@@ -1,0 +1,77 @@
+"""Durable, atomic file writes and content hashes shared by every stage.
+
+Readers see either the old file or the whole new one, never a part: data goes to a temporary file in
+the same folder, is fsync'ed, then renamed over the target, and the folder is fsync'ed so the rename
+itself survives a crash. This is what lets any stage be SIGKILLed and resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder so a rename inside it is durable (best effort where a file system cannot)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some file systems cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder` and the folders themselves, so a rename publishes durable data."""
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh dot-prefixed temporary file beside `path`: never mistaken for it, unique per process."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
