@@ -13,8 +13,9 @@ R=(recipe=smollm2-135m-instruct)
 eagle-capture "${R[@]}" output_dir="$WORK/capture"
 eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" output_dir="$WORK/train"
 # Held-out prompts only (MT-bench / HumanEval are removed from the training data at capture time).
-eagle-eval "${R[@]}" draft.path="$WORK/train" eval.prompts=mt_bench eval.max_prompts=${MT_PROMPTS:-20} \
-  decode.max_new_tokens=96 output_dir="$WORK/eval-mtbench-t0"
+# MT-bench at T=0 through the decode benchmark (tree size auto-tuned, decoder overhead reported).
+python scripts/bench_decode.py "$WORK/train" --max-prompts ${MT_PROMPTS:-20} --max-new-tokens 96 --tree auto \
+  --output-dir "$WORK/eval-mtbench-t0"
 eagle-eval "${R[@]}" draft.path="$WORK/train" eval.prompts=humaneval eval.max_prompts=${HE_PROMPTS:-10} \
   decode.max_new_tokens=96 output_dir="$WORK/eval-humaneval-t0"
 eagle-eval "${R[@]}" draft.path="$WORK/train" eval.prompts=mt_bench eval.max_prompts=${MT_PROMPTS_T1:-10} \
