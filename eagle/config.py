@@ -98,6 +98,7 @@ class TrainConfig:
     batch_size: int = 4  # conversations per optimizer step (global, before accumulation split)
     grad_accum: int = 1
     max_length: int = 2048  # tokens per training sequence
+    optimizer: str = "adamw"  # adamw | sgd (plain SGD, no momentum: for gradient-equivalence checks)
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -154,6 +155,11 @@ class EvalConfig:
 class ExportConfig:
     dtype: str = "float16"
     check: str | None = None  # validate a folder made elsewhere instead of exporting
+    # format=speculators: what `speculators_config.verifier.name_or_path` names (the speculators
+    # library reads the verifier's lm_head/config from it). null: the local target folder for
+    # eagle-export (the one the head was trained on; offline-loadable here), the target's Hub id for
+    # eagle-publish; "local" / "hub" force one; any other value (a folder or Hub id) is written as is.
+    verifier: str | None = None
 
 
 @dataclass
@@ -236,6 +242,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     t = cfg.train
     _choice("train.mode", t.mode, ("offline", "online"))
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
+    _choice("train.optimizer", t.optimizer, ("adamw", "sgd"))
     _choice("train.mixed_precision", t.mixed_precision, ("no", "bf16", "fp16"))
     _choice("train.resume", str(t.resume).lower(), ("auto", "true", "false"))
     _choice("train.nonfinite", t.nonfinite, ("skip", "stop"))

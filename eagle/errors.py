@@ -26,5 +26,9 @@ class CheckpointError(EagleError):
     """A draft-head checkpoint is missing, corrupt, or does not fit the target/algorithm."""
 
 
+class TrainingError(EagleError):
+    """A training run learnt nothing usable (non-finite held-out metrics, every step skipped)."""
+
+
 class ExportError(EagleError):
     """An exported folder is incomplete or inconsistent."""

@@ -9,6 +9,7 @@ model's own config.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -62,24 +63,58 @@ def _cached_file_hash(path: Path, cache_dir: Path) -> str:
     return digest
 
 
+# Bumped when the layout of a converted folder changes, so folders made by an older version are
+# repaired (or re-made) on next use. v2: a plain dense checkpoint (no `quantization_config`).
+GGUF_CONVERSION_VERSION = 2
+
+
+def _plain_checkpoint_config(folder: Path) -> None:
+    """Make a converted folder's config.json describe the dense float32 weights it holds.
+
+    A model loaded with `gguf_file=` carries `quantization_config: {quant_method: gguf, ...}`; saved as
+    is, vLLM refuses the folder (unknown quantization method) and transformers treats the dense
+    safetensors as packed GGUF weights (casting around every matmul).
+    """
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    changed = config.pop("quantization_config", None) is not None
+    if config.get("dtype") != "float32":
+        config["dtype"] = "float32"  # what model.safetensors holds (GGUF weights dequantised to float32)
+        changed = True
+    config.pop("torch_dtype", None)
+    if changed:
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Convert a GGUF file to a cached HF checkpoint folder once; return the folder."""
+    """Convert a GGUF file to a cached plain HF checkpoint folder once; return the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     digest = _cached_file_hash(gguf, cache_dir)
-    out = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}"
+    out = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}-v{GGUF_CONVERSION_VERSION}"
     if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    legacy = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}"  # v1: same weights, GGUF quantization_config
+    if (legacy / "config.json").is_file() and (legacy / ".complete").is_file() and not out.exists():
+        _plain_checkpoint_config(legacy)
+        os.replace(legacy, out)
         return out
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:  # transformers raises many types for unreadable/unsupported GGUF files
         raise TargetError(f"cannot read GGUF file {gguf}: {e}") from e
-    # A model loaded from GGUF keeps GGUF-specific loading state; a fresh model from the same config
-    # holding the dequantised weights saves as a plain checkpoint.
-    fresh = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    # A model loaded from GGUF keeps GGUF-specific loading state; a fresh model from a copy of its
+    # config without the GGUF quantization entry, holding the dequantised weights, saves as a plain
+    # dense checkpoint.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise TargetError(f"GGUF conversion of {gguf} lost weights: missing={missing} unexpected={unexpected}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +122,9 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "eagle_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2))
+        _plain_checkpoint_config(tmp)
+        source = {"gguf": str(gguf), "sha256": digest, "conversion_version": GGUF_CONVERSION_VERSION}
+        (tmp / "eagle_source.json").write_text(json.dumps(source, indent=2))
         (tmp / ".complete").write_text("")
         if out.exists():  # an incomplete earlier attempt
             shutil.rmtree(out)

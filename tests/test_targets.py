@@ -116,3 +116,72 @@ def test_bundled_smollm2_converts_once_and_loads_fast(tmp_path):
     mtime = (folder / "config.json").stat().st_mtime_ns
     assert resolve_target_path(cfg)[0] == str(folder)
     assert (folder / "config.json").stat().st_mtime_ns == mtime
+
+
+def _legacy_conversion(tmp_path: Path) -> tuple[Path, Path]:
+    """A fake .gguf and the v1 cached folder a previous version made from it (with the GGUF
+    `quantization_config` that other tools refuse)."""
+    import json
+
+    from eagle.targets import _cached_file_hash
+
+    gguf = tmp_path / "models" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF not really: never parsed, the cached conversion is reused")
+    cache = tmp_path / "cache"
+    digest = _cached_file_hash(gguf, cache)
+    legacy = save_model("llama", cache / "gguf" / f"tiny-{digest[:16]}")
+    config = json.loads((legacy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf", "dequantize": False, "gguf_file": "tiny.gguf"}
+    (legacy / "config.json").write_text(json.dumps(config))
+    (legacy / ".complete").write_text("")
+    return gguf, legacy
+
+
+def test_legacy_gguf_conversion_is_repaired_into_a_plain_checkpoint(tmp_path):
+    import json
+
+    from eagle.targets import GGUF_CONVERSION_VERSION
+
+    gguf, legacy = _legacy_conversion(tmp_path)
+    before = {f.name: f.read_bytes() for f in legacy.glob("*.safetensors")}
+    cfg = TargetConfig(path=str(gguf), cache_dir=str(tmp_path / "cache"))
+    folder, fingerprint = resolve_target_path(cfg)
+    folder = Path(folder)
+    assert folder.name.endswith(f"-v{GGUF_CONVERSION_VERSION}") and not legacy.exists()
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    assert {f.name: f.read_bytes() for f in folder.glob("*.safetensors")} == before  # weights untouched
+    assert fingerprint.startswith("gguf-sha256:")
+    # and it loads as an ordinary checkpoint, in another dtype too, without GGUF handling
+    model, _, _ = load_target(TargetConfig(path=str(gguf), cache_dir=str(tmp_path / "cache"), dtype="bfloat16"))
+    assert getattr(model.config, "quantization_config", None) is None
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_bundled_smollm2_conversion_is_a_dense_checkpoint_equal_to_the_gguf(smollm2):
+    """The cached folder made from the GGUF: no quantization_config, dtype recorded, and the weights
+    equal to what transformers dequantises from the GGUF itself."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle.assets import asset_path
+
+    _, _, info = smollm2
+    folder = Path(info.resolved)
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    gguf = asset_path("smollm2-135m-instruct")
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    ref_sd = ref.state_dict()
+    assert set(saved) <= set(ref_sd) and len(saved) >= len(ref_sd) - 1  # a tied lm_head may be omitted
+    for k, v in saved.items():
+        assert v.dtype == torch.float32, k
+        assert torch.equal(v, ref_sd[k]), k

@@ -139,8 +139,35 @@ class CaptureDataset(Dataset):
         if s not in self._handles:
             if self.verify:
                 verify_shard(self.root, self.entries[s], check_sha=True)
-            self._handles[s] = safe_open(str(self._paths[s]), framework="pt")
+            handle = safe_open(str(self._paths[s]), framework="pt")
+            if self.verify:
+                self._check_finite(s, handle)
+            self._handles[s] = handle
         return self._handles[s]
+
+    def _check_finite(self, s: int, handle: Any, rows: int = 4096) -> None:
+        """Refuse a shard holding inf/nan features (once per shard per process, in row chunks).
+
+        Captures made before `eagle-capture` refused overflow could store float16 infs; a head trained
+        on them learns nothing (NaN loss). The shard was just read whole for its sha256, so this pass
+        costs memory bandwidth only.
+        """
+        for name in self.features:
+            view = handle.get_slice(name)
+            total = view.get_shape()[0]
+            for lo in range(0, total, rows):
+                chunk = view[lo : min(total, lo + rows)]  # [rows, H] or [rows, 3, H]
+                if bool(torch.isfinite(chunk).all()):
+                    continue
+                bad = (~torch.isfinite(chunk)).flatten(1).any(dim=1).nonzero().flatten()
+                token = lo + int(bad[0])
+                conv = next(i for i in range(len(self._ids[s])) if self._offsets[s][i + 1] > token)
+                raise CaptureError(
+                    f"{self._paths[s]}: {name} holds non-finite values (first in conversation "
+                    f"{self._ids[s][conv]!r}, {int((~torch.isfinite(chunk)).sum())} values in rows {lo}-{lo + len(chunk)}); "
+                    "the capture overflowed its storage dtype. Re-capture with capture.dtype=bfloat16 into a new "
+                    "output_dir."
+                )
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         s, i = self._index[idx]

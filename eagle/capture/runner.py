@@ -195,6 +195,52 @@ class _SingleProcess:
         return None
 
 
+def _feature_label(name: str, slot: int | None, aux_layer_ids: list[int] | None) -> str:
+    if name == "aux_hidden" and aux_layer_ids is not None and slot is not None:
+        return f"aux layer {aux_layer_ids[slot]} (draft.aux_layer_ids[{slot}])"
+    return "the final (post-norm) hidden state" if name == "final_hidden" else name
+
+
+def check_finite_features(
+    name: str,
+    value: torch.Tensor,  # [b, T, H] or [b, T, 3, H], the target's dtype
+    stored: torch.Tensor,  # the same in the storage dtype
+    mask: torch.Tensor,  # [b, T], 1 = real token
+    aux_layer_ids: list[int] | None,
+    storage_dtype: str,
+    ids: list[str],
+) -> None:
+    """Refuse to write a non-finite feature: a capture that overflowed trains into NaN.
+
+    Targets with large residual activations (some reach 3-5e4) overflow float16's 65504 in their
+    aux layers; bfloat16 has float32's range. Checked on real (unpadded) positions only.
+    """
+    real = mask.bool()
+    for source, tensor in (("target", value), ("storage", stored)):
+        bad = ~torch.isfinite(tensor[real])  # [n, H] or [n, 3, H]
+        if not bool(bad.any()):
+            continue
+        slot = None
+        if tensor.dim() == 4:
+            slot = int(bad.any(dim=-1).any(dim=0).nonzero()[0])  # [n, 3, H] -> [3]: first bad aux slot
+        rows = bad.flatten(1).any(dim=1).nonzero().flatten()  # real positions with a bad value
+        conv = ids[int(real.nonzero()[int(rows[0]), 0])]
+        finite = value[real].float()
+        peak = float(finite[torch.isfinite(finite)].abs().max()) if bool(torch.isfinite(finite).any()) else float("inf")
+        where = _feature_label(name, slot, aux_layer_ids)
+        if source == "target":
+            raise CaptureError(
+                f"the target produced non-finite values in {where} (conversation {conv!r}, largest finite "
+                f"magnitude {peak:.4g}) in its own dtype {value.dtype}; load it in a wider dtype "
+                "(target.dtype=float32 or bfloat16). Nothing was written for this shard."
+            )
+        raise CaptureError(
+            f"{where} overflows capture.dtype={storage_dtype} (conversation {conv!r}: largest magnitude "
+            f"{peak:.4g}, {int(bad.sum())} values become inf/nan; float16 holds at most 65504). Capture with "
+            "capture.dtype=bfloat16 (float32's range) into a new output_dir; shards already written stay valid."
+        )
+
+
 def _capture_shard(
     model: nn.Module,
     job: ShardJob,
@@ -218,7 +264,10 @@ def _capture_shard(
         feats = extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
         for name, value in feats.items():
             # Cast on the device first: half the bytes cross to the host.
-            value = value.to(storage).cpu()  # [b, T, ...]
+            stored = value.to(storage)  # [b, T, ...]
+            check_finite_features(name, value, stored, mask.to(device), aux_layer_ids, capture.dtype,
+                                  [convs[i].id for i in batch])
+            value = stored.cpu()  # [b, T, ...]
             slots = out.setdefault(name, [None] * len(convs))
             for row, i in enumerate(batch):
                 slots[i] = value[row, : len(convs[i].input_ids)].clone()  # [T_i, ...]

@@ -46,8 +46,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Lambd
     return LambdaLR(optimizer, fn)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the head's trainable parameters; betas and weight decay from `cfg`."""
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (default) or plain SGD over the head's trainable parameters, per `cfg.optimizer`.
+
+    SGD without momentum makes one update exactly `-lr x gradient`, so two ways of computing the same
+    gradient (accumulation, processes) can be compared after a step within float32 summation error;
+    after AdamW a near-zero gradient moves a weight by about lr x sign(g), which turns summation-order
+    noise into lr-sized differences.
+    """
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.0, weight_decay=cfg.weight_decay)
     if len(cfg.betas) != 2:
         from eagle.config import ConfigError
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from eagle.config import ConfigError, RootConfig
-from eagle.errors import CheckpointError
+from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
 from eagle.train import checkpoint as ckpt
 from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit, eval_batches
@@ -351,6 +352,19 @@ def evaluate(
     return total.summary(*_summary_weights(cfg, kw["steps"]))
 
 
+def _check_heldout_finite(metrics: dict[str, float], head: nn.Module, when: str) -> None:
+    """A non-finite held-out metric means the run cannot be trusted: stop and say why."""
+    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    if not bad:
+        return
+    weights_ok = all(bool(torch.isfinite(p).all()) for p in head.parameters())
+    cause = ("the held-out data give non-finite losses (inf/nan features, or target logits that overflow)"
+             if weights_ok else "the head's weights are no longer finite (training diverged: lower train.lr, "
+             "keep train.grad_clip > 0)")
+    raise TrainingError(f"held-out metrics of {when} are not finite ({', '.join(bad)}): {cause}; "
+                        "checkpoints written so far are kept")
+
+
 # --------------------------------------------------------------------------------------- train
 def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
     """Train a draft head per `cfg` into `cfg.output_dir`; see the module docstring."""
@@ -433,6 +447,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
         result.eval_metrics = metrics
         state.metrics.update({f"eval/{k}": v for k, v in metrics.items()})
         tracker.log(metrics, state.step, prefix="eval")
+        _check_heldout_finite(metrics, accelerator.unwrap_model(wrapper).head, f"step {state.step}")
         if state.best_metric is None or metrics["tau_sim"] > state.best_metric:
             state.best_metric, state.best_step = metrics["tau_sim"], state.step
             if accelerator.is_main_process:
@@ -461,6 +476,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
             result.initial_eval_metrics = evaluate(accelerator.unwrap_model(wrapper).head, lm_head, held_split,
                                                    cfg, accelerator, pad_id)
         tracker.log(result.initial_eval_metrics, 0, prefix="eval_untrained")
+        _check_heldout_finite(result.initial_eval_metrics, accelerator.unwrap_model(wrapper).head, "the untrained head")
 
     with _StopFlag() as stop:
         while state.step < t.max_steps:
@@ -558,6 +574,12 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
 
     tracker.summary({f"best/{k}": v for k, v in (result.eval_metrics or {}).items()})
     tracker.close()
+    if state.step > 0 and len(state.skipped_steps) >= state.step:
+        raise TrainingError(
+            f"every one of the {state.step} optimizer steps had a non-finite loss or gradient and was skipped "
+            f"(train.nonfinite=skip): the head in {out} learnt nothing. Check the data (a capture with inf/nan "
+            "features: re-capture with capture.dtype=bfloat16) or lower train.lr"
+        )
     result.step = state.step
     result.best_metric, result.best_step = state.best_metric, state.best_step
     result.best_dir = out / ckpt.BEST if (out / ckpt.BEST).is_dir() else None
