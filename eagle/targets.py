@@ -25,8 +25,7 @@ from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
 from eagle.errors import TargetError
 from eagle.fileio import file_sha256
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from eagle.precision import dtype_name, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,7 @@ class TargetInfo:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    dtype: str = "float32"  # the dtype the weights were loaded in (target.dtype resolved)
 
 
 def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
@@ -200,17 +200,23 @@ def load_tokenizer(cfg: TargetConfig, resolved: str | None = None) -> Any:
     return tok
 
 
-def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> tuple[Any, Any, TargetInfo]:
-    """Load the frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`."""
+def load_target(
+    cfg: TargetConfig, device: torch.device | str | None = None, stage: str = "capture"
+) -> tuple[Any, Any, TargetInfo]:
+    """Load the frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`.
+
+    `stage` (decode | capture | train) only matters for `target.dtype=auto`; see `eagle.precision`.
+    """
     from transformers import AutoModelForCausalLM
 
+    dtype = resolve_dtype(cfg.dtype, device, stage)
     resolved, fingerprint = resolve_target_path(cfg)
     tokenizer = load_tokenizer(cfg, resolved)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             resolved,
             revision=cfg.revision,
-            dtype=_DTYPES[cfg.dtype],
+            dtype=dtype,
             trust_remote_code=cfg.trust_remote_code,
             attn_implementation=cfg.attn_implementation,
         )
@@ -228,6 +234,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> 
         num_layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,
+        dtype=dtype_name(dtype),
     )
     return model, tokenizer, info
 

@@ -1,7 +1,8 @@
 """Speculative decoding figures for SmolLM2-135M-Instruct on MT-bench, with a trained head.
 
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
-                                   [--threads N] [--tree auto] [--tree-sweep 4 8 16 32] [override ...]
+                                   [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
+                                   [--dtypes bfloat16 float32] [override ...]
 
 HEAD_DIR is anything `draft.path` accepts (training output dir, checkpoint dir, head folder or
 exported folder); default: heads/smollm2-135m-instruct-eagle3 in this repository. The tree is
@@ -9,7 +10,11 @@ auto-tuned by default (verify passes timed on this machine). One `eagle-eval` ru
 same prompts and with the same torch threads, the speculative decoder, the target's plain
 autoregressive decoding (same cache code), HF `generate` and HF prompt-lookup decoding; this script
 prints the headline numbers plus the decoder's overhead per step, and exits 1 if greedy output ever
-differs from HF generate's. Full results: OUTPUT_DIR/report.json, report.md and plots.
+differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie).
+With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
+one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them. Per step it also times a
+verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
+drafting cost as a share of one plain decoding step.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", choices=("auto", "dynamic", "static"), default="auto")
     parser.add_argument("--tree-sweep", type=int, nargs="*", default=[], help="tree sizes for speedup_vs_tree.png")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (not measured)")
+    parser.add_argument("--dtypes", nargs="*", default=None,
+                        help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_args(argv)
 
@@ -58,21 +65,112 @@ def main(argv: list[str] | None = None) -> int:
         f"eval.warmup_prompts={args.warmup}",
         f"decode.max_new_tokens={args.max_new_tokens}",
         f"decode.tree={args.tree}",
-        f"output_dir={args.output_dir}",
     ]
     if args.threads:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    try:
-        r = evaluate(compose([*overrides, *args.overrides]))
-    except EagleError as e:
-        print(f"bench_decode: error: {e}", file=sys.stderr)
-        return 2
+    dtypes = args.dtypes or ["auto"]
+    reports: dict[str, dict] = {}
+    status = 0
+    for dtype in dtypes:
+        out = Path(args.output_dir) / dtype if len(dtypes) > 1 else Path(args.output_dir)
+        cfg = compose([*overrides, f"target.dtype={dtype}", f"output_dir={out}", *args.overrides])
+        try:
+            r = evaluate(cfg)
+        except EagleError as e:
+            print(f"bench_decode: error: {e}", file=sys.stderr)
+            return 2
+        r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
+        reports[r["settings"]["dtype"]] = r
+        _print_report(r, out)
+        status = max(status, _lossless_status(r))
+    if len(reports) > 1:
+        print(f"\n{'dtype':<10}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+              f"{'draft/plain':>13}{'greedy':>8}")
+        for dt, r in reports.items():
+            m = r["methods"]
+            print(f"{dt:<10}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+                  f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
+                  f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
+    return status
 
+
+def _draft_share_of_plain(r: dict) -> float | None:
+    """Head time per speculative step / seconds of one plain (autoregressive) decoding step."""
+    ar = r["methods"].get("autoregressive")
+    draft_ms = r["decoder"].get("draft_ms_per_step")
+    if not ar or not ar["tokens"] or draft_ms is None:
+        return None
+    return draft_ms / (1000 * ar["seconds"] / ar["tokens"])
+
+
+def _bare_vs_verify(cfg, r: dict) -> dict:
+    """One verify pass (tree mask, feature layers) vs `model(...)` on a causal chain of as many tokens."""
+    import statistics
+    import time
+
+    import torch
+
+    from eagle.decode.cache import crop_cache
+    from eagle.decode.target import layer_windows, new_cache, target_forward
+    from eagle.heads.resolve import load_draft
+    from eagle.targets import load_target
+
+    target, _, _ = load_target(cfg.target, stage="decode")
+    head, _ = load_draft(cfg.draft.path, target)
+    n = max(2, round(r.get("mean_tree_size") or 16) + 1)
+    ctx, gen = 256, torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (ctx + n,), generator=gen)
+    cache, windows = new_cache(), layer_windows(target.config)
+    target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows)
+    parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
+    parents[n // 2 + 1:] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
+    from eagle.decode.tree import tree_mask
+
+    mask, depth = tree_mask(parents), torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+
+    def bare() -> None:
+        with torch.inference_mode():
+            target(input_ids=ids[None, ctx:], position_ids=torch.arange(ctx, ctx + n)[None], past_key_values=cache,
+                   use_cache=True)
+        crop_cache(cache, ctx)
+
+    def verify() -> None:
+        target_forward(target, ids[ctx:], ctx + depth, cache, mask, feature_layer_ids=list(head.feature_layer_ids()),
+                       windows=windows)
+        crop_cache(cache, ctx)
+
+    def median_ms(fn, reps: int = 7) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
+
+    bare_ms, verify_ms = median_ms(bare), median_ms(verify)
+    return {"tokens": n, "context": ctx, "bare_ms": bare_ms, "verify_ms": verify_ms, "ratio": verify_ms / bare_ms}
+
+
+def _lossless_status(r: dict) -> int:
+    if r["greedy_match"] is None or r["greedy_match"] >= 1.0:
+        return 0
+    d = r.get("divergence") or {}
+    if r["settings"]["dtype"] != "float32" and d.get("all_numeric"):
+        return 0
+    print(f"bench_decode: speculative greedy output differs from HF generate's in {r['settings']['dtype']} "
+          "beyond numerics (see per_prompt divergence)", file=sys.stderr)
+    return 1
+
+
+def _print_report(r: dict, out: Path) -> None:
     s, d, hw = r["settings"], r["decoder"], r["settings"]["hardware"]
     print(f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), MT-bench x{r['num_prompts']} "
-          f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}")
+          f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']}")
     print(f"hardware: {hw['cpu']} | {hw['torch_threads']} torch threads | torch {hw['torch_version']} | {hw['device']}")
     print(f"tree: {s['tree']} | mean verified tree size {_f(r['mean_tree_size'], '.1f')}")
     if s.get("auto_verify_seconds"):
@@ -85,16 +183,20 @@ def main(argv: list[str] | None = None) -> int:
           f"vs autoregressive {_f(r['speedup_vs_autoregressive'])}x | greedy match {_f(r['greedy_match'])}")
     print(f"decoder per step: verify {_f(d['verify_ms_per_step'])} ms, head {_f(d['draft_ms_per_step'])} ms, "
           f"bookkeeping {_f(d['bookkeeping_ms_per_step'])} ms; overhead share {_f(d['decoder_overhead_share'])} "
-          f"(head {_f(d['draft_share'])}, bookkeeping {_f(d['bookkeeping_share'])})")
+          f"(head {_f(d['draft_share'])}, bookkeeping {_f(d['bookkeeping_share'])}); drafting = "
+          f"{_f(_draft_share_of_plain(r))} of a plain decoding step")
+    bv = r["bare_vs_verify"]
+    print(f"verify pass of {bv['tokens']} tree tokens {bv['verify_ms']:.1f} ms vs bare causal forward "
+          f"{bv['bare_ms']:.1f} ms (x{bv['ratio']:.2f}) after {bv['context']} cached tokens")
+    dv = r.get("divergence")
+    if dv and dv["divergent_turns"]:
+        print(f"greedy divergences: {dv['divergent_turns']}/{dv['turns']} turns, max fp32 margin "
+              f"{_f(dv['max_margin'], '.3f')}, max gap {_f(dv['max_gap'], '.3f')} (limit {dv['margin_limit']}): "
+              f"{'numeric' if dv['all_numeric'] else 'NOT all numeric'}")
     for row in r.get("tree_sweep", []):
         print(f"  tree {row['tree_total_tokens']:>3}: tau {_f(row['tau'])}, {row['tokens_per_s']:.1f} tok/s, "
               f"speedup {_f(row['speedup'])}x")
-    print(f"\nreport: {args.output_dir}/report.json, report.md")
-    if r["greedy_match"] is not None and r["greedy_match"] < 1.0:
-        print("bench_decode: speculative greedy output differs from HF generate's (see per_prompt first_mismatch)",
-              file=sys.stderr)
-        return 1
-    return 0
+    print(f"report: {out}/report.json, report.md")
 
 
 if __name__ == "__main__":

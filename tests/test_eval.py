@@ -87,7 +87,7 @@ def _cfg(ws: Path, out: str, *extra: str):
     return compose([
         f"target.path={ws / 'target'}", f"draft.path={ws / 'train'}", f"eval.prompts={ws / 'prompts.jsonl'}",
         "eval.max_prompts=2", "eval.turns=all", "eval.warmup_prompts=1", "decode.max_new_tokens=12",
-        "decode.temperature=0", f"output_dir={ws / out}", *extra,
+        "decode.temperature=0", "target.dtype=float32", f"output_dir={ws / out}", *extra,
     ])
 
 
@@ -289,7 +289,8 @@ def test_smollm2_mt_bench_greedy_match(tmp_path, smollm2):
     save_head(build_head(cfg, model), tmp_path / "head")
     r = evaluate(compose([
         f"draft.path={tmp_path / 'head'}", "eval.prompts=mt_bench", "eval.max_prompts=1", "eval.warmup_prompts=0",
-        "eval.baselines=[hf_generate]", "decode.max_new_tokens=6", f"output_dir={tmp_path / 'out'}",
+        "eval.baselines=[hf_generate]", "decode.max_new_tokens=6", "target.dtype=float32",
+        f"output_dir={tmp_path / 'out'}",
     ]))
     assert r["greedy_match"] == 1.0
     assert r["settings"]["prompt_ids"] == ["81"]

@@ -74,7 +74,9 @@ def test_eagle3_export_has_exact_keys_config_and_round_trips(fmt, heads, target,
     aux = head.config.aux_layer_ids
     out = export_head(head, tmp_path / fmt, fmt, dtype="float32", target_path="org/target-model")
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
-    assert _keys(tmp_path / fmt) == set(E3_TOP) | {prefix + k for k in E3_LAYER}  # no embed_tokens anywhere
+    # Only speculators folders carry the target's embedding (the speculators library needs it).
+    embed = {"embed_tokens.weight"} if fmt == "speculators" else set()
+    assert _keys(tmp_path / fmt) == set(E3_TOP) | {prefix + k for k in E3_LAYER} | embed
     cfg = _config(tmp_path / fmt)
     if fmt == "speculators":
         assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
@@ -86,6 +88,8 @@ def test_eagle3_export_has_exact_keys_config_and_round_trips(fmt, heads, target,
         assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
         assert sc["proposal_methods"][0]["speculative_tokens"] >= 1
         assert sc["verifier"]["name_or_path"] == "org/target-model"
+        stored = load_file(str(tmp_path / fmt / "model.safetensors"))["embed_tokens.weight"]
+        assert torch.equal(stored, target.get_input_embeddings().weight.detach())
     else:
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert cfg["tie_word_embeddings"] is False  # SGLang would tie lm_head to the embedding otherwise
@@ -251,3 +255,44 @@ def test_write_export_keeps_previous_folder_when_validation_fails(heads, tmp_pat
         write_export(heads["eagle3"].config, bad, folder, "sglang")
     assert (folder / "model.safetensors").read_bytes() == before
     assert not [p for p in folder.iterdir() if p.name.startswith(".export-")]
+
+
+def test_speculators_embedding_from_target_folder_and_verifier_choices(heads, tiny_target_dir, tmp_path):
+    """Without a live target the embedding is read from target.path's safetensors; export.verifier picks
+    what speculators_config.verifier names (default: the local target folder)."""
+    from eagle.export.exporter import verifier_info
+
+    head = heads["eagle3"]
+    state = head.trainable_state_dict()
+    want = load_file(str(tiny_target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    out = write_export(head.config, state, tmp_path / "a", "speculators", dtype="float16",
+                       target_path=str(tiny_target_dir))
+    assert torch.equal(out.borrowed["embed_tokens.weight"], want.to(torch.float16))
+    assert out.raw_config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir.resolve()),
+                                                               "architectures": ["LlamaForCausalLM"]}
+    hub = write_export(head.config, state, tmp_path / "b", "speculators", target_path=str(tiny_target_dir),
+                       verifier="org/published-target")
+    assert hub.raw_config["speculators_config"]["verifier"]["name_or_path"] == "org/published-target"
+    assert verifier_info("org/some-model")["name_or_path"] == "org/some-model"  # a Hub-id target stays one
+    assert verifier_info(str(tiny_target_dir), "hub")["name_or_path"] == str(tiny_target_dir)
+    with pytest.raises(ExportError, match="export.verifier=local"):
+        verifier_info("org/not-local", "local")
+    with pytest.raises(ExportError, match="input embedding"):
+        write_export(head.config, state, tmp_path / "c", "speculators", target_path=None, verifier="org/x")
+    other, _ = make_model("llama", hidden=32)  # a different target: its embedding does not fit the head
+    with pytest.raises(ExportError, match="not the head's target"):
+        write_export(head.config, state, tmp_path / "d", "speculators",
+                     embed_tokens=other.get_input_embeddings().weight.detach(), verifier="org/x")
+
+
+def test_old_speculators_export_without_embedding_still_checks(heads, target, tmp_path):
+    folder = tmp_path / "old"
+    export_head(heads["eagle3"], folder, "speculators", dtype="float32", target_path="org/target-model")
+    _rewrite_tensors(folder, lambda t: t.pop("embed_tokens.weight"))
+    old = check_folder(folder)
+    assert any("all-zero input embedding" in n for n in old.notes)
+    assert torch.equal(_outputs(load_exported_head(folder, target)), _outputs(heads["eagle3"]))
+    _rewrite_tensors(folder, lambda t: t.update(
+        {"embed_tokens.weight": torch.zeros(heads["eagle3"].config.vocab_size, heads["eagle3"].config.hidden_size)}))
+    with pytest.raises(ExportError, match="all zeros"):
+        check_folder(folder)

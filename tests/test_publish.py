@@ -141,3 +141,17 @@ def test_cli_dry_run(run_dir, tmp_path, monkeypatch):
     head = check_folder(out / "hub", expect_format="hf", dtype="bfloat16")
     assert head.tensors["fc.weight"].dtype == torch.bfloat16
     assert "No evaluation reports" in (out / "hub" / "README.md").read_text()
+
+
+def test_speculators_card_names_verifier_and_stored_embedding(run_dir, tiny_target_dir, tmp_path):
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", "format=speculators",
+                           "publish.repo_id=me/tiny-eagle3", "export.verifier=org/tiny-target"))
+    head = check_folder(hub, expect_format="speculators", dtype="float16")
+    assert head.raw_config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    embed = head.borrowed["embed_tokens.weight"]  # read from the trained-on target folder
+    assert embed.dtype == torch.float16 and embed.shape == (head.config.vocab_size, head.config.hidden_size)
+    _, body = _card(hub)
+    assert 'SpeculatorModel.from_pretrained("me/tiny-eagle3")' in body
+    assert "`org/tiny-target`" in body and "export.verifier=" in body
+    mib = embed.numel() * 2 / 2**20
+    assert f"{head.config.vocab_size} x {head.config.hidden_size} x 2 bytes = {mib:.1f} MiB" in body

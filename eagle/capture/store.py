@@ -198,16 +198,44 @@ def _get(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return d
 
 
+# The config keys behind each identity field, named in the refusal.
+_IDENTITY_KEYS = {
+    ("target", "fingerprint"): "target.path/revision",
+    ("algorithm",): "draft.algorithm",
+    ("aux_layer_ids",): "draft.aux_layer_ids",
+    ("dtype",): "capture.dtype",
+    ("shard_size",): "capture.shard_size",
+}
+
+
+def _short(value: Any) -> str:
+    """repr, with long identity hashes cut to 16 characters."""
+    if isinstance(value, str) and len(value) > 24:
+        return repr(value[:16] + "…")
+    return repr(value)
+
+
 def check_same_capture(existing: dict[str, Any], header: dict[str, Any], root: Path) -> None:
-    """Refuse to add shards to a capture made with another target, data, algorithm or layer set."""
+    """Refuse to add shards to a capture made with another target, data, algorithm or layer set,
+    naming every differing field (and, for the data, the data.* settings that differ)."""
+    diffs = []
     for keys in IDENTITY_FIELDS:
         old, new = _get(existing, keys), _get(header, keys)
-        if old != new:
-            raise CaptureError(
-                f"{root / MANIFEST} was captured with {'.'.join(keys)}={old!r}, this run has {new!r}; "
-                f"shards of different captures cannot be mixed. Use another output_dir, or delete {root} "
-                "to capture again"
-            )
+        if old == new:
+            continue
+        name = ".".join(keys)
+        via = f" ({_IDENTITY_KEYS[keys]})" if keys in _IDENTITY_KEYS else ""
+        if keys == ("data", "fingerprint"):
+            a, b = _get(existing, ("data", "config")) or {}, _get(header, ("data", "config")) or {}
+            changed = [f"data.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            via = f" ({'; '.join(changed)})" if changed else " (same data.* settings, other conversations or tokenizer)"
+        diffs.append(f"  {name}{via}: {_short(old)} -> {_short(new)}")
+    if diffs:
+        raise CaptureError(
+            f"{root / MANIFEST} was captured with other settings; shards of different captures cannot be mixed "
+            "(manifest -> this run):\n" + "\n".join(diffs) + "\n"
+            f"Either capture into a new output_dir, or move {root} away (or delete it) to capture again there"
+        )
 
 
 def read_manifest(data_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -3,20 +3,27 @@
 Every stage is `run_app(stage_fn)`: Hydra composes `conf/config.yaml` (plus any `recipe=NAME` and
 command-line overrides) over the typed schema, the result is validated into a `RootConfig`, the
 resolved config is written into `output_dir`, and `stage_fn(cfg)` runs. Errors the user can fix
-(`EagleError`) are printed as one message and exit with status 2.
+(`EagleError`) are printed as one message and exit with status 2; a refused run leaves the
+`<stage>_config.yaml` of the run already in `output_dir` as it was.
+
+Under Hydra's multirun (`-m`) every job gets its own `output_dir` inside the sweep's, records its
+outcome, and returns its figure of merit to the sweeper (`eagle.sweep`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, read_write
 
+from eagle import sweep
 from eagle.config import RootConfig, register_configs, to_root_config
 from eagle.errors import EagleError
 from eagle.fileio import atomic_write_text
@@ -38,6 +45,7 @@ def compose(overrides: Sequence[str] = ()) -> RootConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
+    sweep.register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
@@ -74,26 +82,85 @@ def storage_error_message(stage: str, err: OSError) -> str | None:
             "free space or fix the output location, then run the same command again to resume.")
 
 
+@contextlib.contextmanager
+def _config_kept_on_refusal(cfg: RootConfig, stage: str) -> Iterator[None]:
+    """Write the run's resolved config; if the stage then refuses (EagleError), put back the one the
+    folder held before (the config of the artifacts there, e.g. a run a resume was refused for)."""
+    path = Path(cfg.output_dir) / f"{stage}_config.yaml"
+    try:
+        previous = path.read_text() if path.is_file() else None
+    except OSError:
+        previous = None
+    save_resolved_config(cfg, stage)
+    try:
+        yield
+    except EagleError:
+        if previous is not None:
+            with contextlib.suppress(OSError):
+                atomic_write_text(path, previous)
+        raise
+
+
+def _finish_job(job: sweep.Job, stage: str, status: str, started: float, figures: dict[str, Any] | None = None,
+                error: str | None = None) -> None:
+    """Record a multirun job's outcome and refresh the sweep summary (rank 0; best effort on storage)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        sweep.write_job_record(job, stage, status, time.perf_counter() - started, figures, error)
+        sweep.write_summary(job.sweep_dir, job.sweep_id, job.keys, plot=False)
+    except OSError as e:
+        print(f"eagle-{stage}: warning: could not write the sweep record of job {job.num} ({e})", file=sys.stderr)
+
+
+def _run_stage(stage: str, stage_fn: Callable[[RootConfig], Any], raw: Any) -> Any:
+    """One run (or one multirun job) of a stage; returns the job's objective for sweepers."""
+    job = sweep.current_job()
+    if job is not None:
+        with read_write(raw):  # every job of a sweep writes into its own folder
+            raw.output_dir = job.output_dir
+    started = time.perf_counter()
+    try:
+        cfg = to_root_config(raw)
+        with _config_kept_on_refusal(cfg, stage):
+            result = stage_fn(cfg)
+    except (EagleError, OSError) as e:
+        message = f"eagle-{stage}: error: {e}" if isinstance(e, EagleError) else storage_error_message(stage, e)
+        if message is None:  # an OSError that is not a storage failure: a bug, shown with its traceback
+            if job is not None:
+                _finish_job(job, stage, "failed", started, error=f"{type(e).__name__}: {e}")
+            raise
+        print(message, file=sys.stderr)
+        if job is None:
+            sys.exit(2)
+        # A sweep goes on with its other jobs; the summary names this one and the sweep exits with 2.
+        _finish_job(job, stage, "failed", started, error=message.split(": error: ", 1)[-1])
+        return sweep.objective(stage, None)
+    except Exception as e:
+        if job is not None:
+            _finish_job(job, stage, "failed", started, error=f"{type(e).__name__}: {e}")
+        raise
+    if job is not None:
+        stopped = getattr(result, "stopped", None) == "signal"
+        _finish_job(job, stage, "stopped" if stopped else "ok", started,
+                    figures=sweep.job_figures(stage, result, cfg.output_dir))
+        if stopped:
+            print(f"eagle-{stage}: sweep stopped by a signal during job {job.num}; its checkpoint is saved. Run the "
+                  "same command again to resume the sweep (finished jobs are recognised and skipped quickly)",
+                  file=sys.stderr)
+            sys.exit(0)
+    return sweep.objective(stage, result)
+
+
 def run_app(stage: str, stage_fn: Callable[[RootConfig], Any]) -> None:
-    """Run `stage_fn` as a Hydra app composed from `conf/`."""
+    """Run `stage_fn` as a Hydra app composed from `conf/` (single run, or one job of a multirun)."""
     import hydra
 
     register_configs()
+    sweep.register_resolvers()
 
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
-    def _main(raw: Any) -> None:
-        try:
-            cfg = to_root_config(raw)
-            save_resolved_config(cfg, stage)
-            stage_fn(cfg)
-        except EagleError as e:
-            print(f"eagle-{stage}: error: {e}", file=sys.stderr)
-            sys.exit(2)
-        except OSError as e:
-            message = storage_error_message(stage, e)
-            if message is None:
-                raise
-            print(message, file=sys.stderr)
-            sys.exit(2)
+    def _main(raw: Any) -> Any:
+        return _run_stage(stage, stage_fn, raw)
 
     _main()

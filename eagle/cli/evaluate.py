@@ -10,7 +10,7 @@ from eagle.cli.app import run_app
 from eagle.config import RootConfig
 
 
-def _evaluate(cfg: RootConfig) -> None:
+def _evaluate(cfg: RootConfig) -> dict:
     from eagle.evaluate.runner import evaluate
 
     report = evaluate(cfg)
@@ -23,6 +23,7 @@ def _evaluate(cfg: RootConfig) -> None:
           f"vs autoregressive {fmt(report['speedup_vs_autoregressive'])}x | greedy match "
           f"{fmt(report['greedy_match'])}")
     print(f"report: {cfg.output_dir}/report.json, {cfg.output_dir}/report.md")
+    return report
 
 
 def main() -> None:

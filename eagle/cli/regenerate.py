@@ -24,7 +24,8 @@ def regenerate_stage(cfg: RootConfig) -> None:
     conversations, stats = load_conversations(cfg.data)
     print(stats.summary(), file=sys.stderr)
     output = default_output(cfg.output_dir, cfg.regenerate)
-    regenerate(model, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=info.fingerprint)
+    regenerate(model, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=info.fingerprint,
+               data=cfg.data)
     print(f"eagle-regenerate: wrote {output}; train on it with data=local data.path={output}")
 
 

@@ -15,7 +15,8 @@ from eagle.cli.app import run_app
 from eagle.config import RootConfig
 
 
-def run(cfg: RootConfig) -> None:
+def run(cfg: RootConfig):
+    """Train per `cfg`, print the summary; returns the `TrainResult` (its best tau_sim is a sweep's objective)."""
     from accelerate.state import PartialState
 
     from eagle.errors import EagleError
@@ -30,6 +31,7 @@ def run(cfg: RootConfig) -> None:
             f"good state is saved in {result.last_checkpoint}. Lower train.lr / raise train.warmup_steps, check "
             "the conversations named above, or resume with train.nonfinite=skip"
         )
+    return result
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ of conversations advances one assistant turn per round with left-padded `generat
 Output: JSONL, one `{"id", "messages"}` record (OpenAI format) per conversation, readable by
 `data=local data.path=...`. Resumable: records are appended per finished batch with flush+fsync;
 a restart skips ids already written, drops a torn last line left by a hard kill, and refuses to mix
-outputs of different targets or generation settings (recorded in `<output>.meta.json`).
+outputs of different targets, generation settings or data (recorded in `<output>.meta.json`; each
+differing key is named with both values). A changed selection (`data.max_conversations`,
+`data.dedup_against`) is allowed and noted: it adds or leaves out conversations, not other answers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eagle.config import RegenerateConfig
+from eagle.config import DataConfig, RegenerateConfig
 from eagle.data.records import Conversation
 from eagle.data.template import TemplateFailure, end_of_turn_ids, render
 from eagle.errors import DataError
@@ -64,20 +67,53 @@ def recover_output(path: Path) -> set[str]:
     return done
 
 
-def _settings(cfg: RegenerateConfig, target_fingerprint: str) -> dict[str, Any]:
+# Data settings that decide which conversations are regenerated and what their prompts are.
+DATA_IDENTITY = ("source", "path", "hub_split", "hub_subset", "format", "system_prompt", "max_conversations",
+                 "dedup_against")
+# Settings that may change on resume: they select more or fewer conversations, not other answers
+# (ids already written are skipped either way).
+_FREE = frozenset({"data.max_conversations", "data.dedup_against"})
+
+
+def data_identity(data: DataConfig) -> dict[str, Any]:
+    """The data settings a regenerated file records (local paths made absolute)."""
+    out = {k: v for k, v in asdict(data).items() if k in DATA_IDENTITY}
+    if isinstance(out.get("path"), str) and os.path.exists(out["path"]):
+        out["path"] = os.path.realpath(out["path"])
+    return out
+
+
+def _settings(cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("output", "batch_size")}
-    return {"target": target_fingerprint, **keep}
+    return {"target": target_fingerprint, **keep, **({"data": data} if data is not None else {})}
+
+
+def _flat(settings: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in settings.items() if k != "data"}
+    out.update({f"data.{k}": v for k, v in (settings.get("data") or {}).items()})
+    return out
 
 
 def _check_meta(path: Path, settings: dict[str, Any]) -> None:
+    """Refuse to append to `path` under settings that change the answers (naming each key, old and
+    new value); allow and note a changed selection; record the settings in `<path>.meta.json`."""
     meta = path.with_name(path.name + ".meta.json")
     if meta.exists():
         old = json.loads(meta.read_text())
-        if old != settings:
-            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-            raise DataError(f"{path} was written with different settings ({', '.join(diff)}); resuming would "
-                            "mix them. Use a new regenerate.output or delete the old file")
-        return
+        if old == settings:
+            return
+        a, b = _flat(old), _flat(settings)
+        # A key one side lacks (an older eagle wrote the meta file) cannot be compared.
+        diff = [k for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+        refused = [k for k in diff if k not in _FREE]
+        if refused:
+            lines = "\n".join(f"  {k}: {a[k]!r} -> {b[k]!r}" for k in refused)
+            raise DataError(f"{path} was written with different settings (file -> this run):\n{lines}\n"
+                            "resuming would mix answers of both in one file. Either write to a new file (another "
+                            f"regenerate.output or output_dir), or move {path} away to regenerate from scratch there")
+        if diff:
+            print(f"eagle-regenerate: resuming {path} with another selection: "
+                  + "; ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in diff), file=sys.stderr)
     tmp = meta.with_name(meta.name + ".tmp")
     tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
     os.replace(tmp, meta)
@@ -177,10 +213,14 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg:
 
 
 def regenerate(model: Any, tokenizer: Any, conversations: list[Conversation], cfg: RegenerateConfig,
-               output: Path, target_fingerprint: str = "", progress: bool = True) -> Path:
-    """Regenerate `conversations` into `output` (JSONL), resuming from what it already holds."""
+               output: Path, target_fingerprint: str = "", progress: bool = True,
+               data: DataConfig | None = None) -> Path:
+    """Regenerate `conversations` into `output` (JSONL), resuming from what it already holds.
+
+    `data` (the settings `conversations` were read with) is recorded too, so a resume on other data
+    is refused rather than appended."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(output, _settings(cfg, target_fingerprint))
+    _check_meta(output, _settings(cfg, target_fingerprint, data_identity(data) if data is not None else None))
     done = recover_output(output)
     todo = [c for c in conversations if c.id not in done]
     stop_ids = end_of_turn_ids(tokenizer)

@@ -9,20 +9,57 @@ head to be calibrated. The dynamic tree of size s keeps the s candidates with th
 probability, so E[tokens](s) = 1 + sum of the s largest exp(score). Each step picks
 argmax_s E[tokens](s) / (t(s) + fixed_s) over `decode.auto_candidates` from the scores of the pool it
 just drafted, so confident stretches (code, repetitions) get big trees and uncertain ones small trees.
-Heads are usually over-confident, which biases toward larger trees; the measured acceptance figures
-of eagle-eval show whether that matters for a given head.
+Heads are usually over-confident, so the probabilities are scaled by a running calibration factor
+(accepted drafts / predicted accepted drafts over recent steps, `AutoTreeState`). The depth follows
+the machine too: a further draft level costs one head forward (measured) and can add at most the
+frontier's probability mass in accepted tokens, so drafting stops once that mass is worth less than
+the level's time at the tokens per second the decoder is achieving.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from eagle.decode.cache import crop_cache
 from eagle.decode.target import new_cache, target_forward
+
+
+@dataclass
+class AutoTreeState:
+    """Running measurements behind `decode.tree=auto` (exponential moving averages over steps)."""
+
+    calibration: float = 1.0  # accepted drafts / the head's predicted accepted drafts
+    predicted: float = 0.0  # predicted accepted drafts of the tree being verified
+    levels: int = 0  # draft levels of the tree being verified
+    level_s: float = 0.0  # seconds per draft level (head forward + top-k)
+    step_s: float = 0.0  # seconds per decoding step (draft + verify)
+    tokens: float = 1.0  # tokens emitted per step
+    _sums: tuple[float, float] = (0.0, 0.0)  # decayed (accepted, predicted)
+    decay: float = 0.9
+
+    def observe(self, accepted: int, draft_s: float, step_s: float) -> None:
+        a, p = self._sums
+        a, p = self.decay * a + accepted, self.decay * p + self.predicted
+        self._sums = (a, p)
+        # Bounded: one lucky or unlucky stretch must not switch drafting off or make it unbounded.
+        self.calibration = min(1.0, max(0.05, (a + 0.5) / (p + 0.5)))
+        w = 1.0 - self.decay
+        per_level = draft_s / max(1, self.levels)
+        self.level_s = per_level if self.step_s == 0 else (1 - w) * self.level_s + w * per_level
+        self.tokens = accepted + 1.0 if self.step_s == 0 else (1 - w) * self.tokens + w * (accepted + 1.0)
+        self.step_s = step_s if self.step_s == 0 else (1 - w) * self.step_s + w * step_s
+
+    def min_level_gain(self) -> float:
+        """Uncalibrated frontier mass below which another draft level costs more than it brings."""
+        if self.step_s <= 0:
+            return 0.0  # nothing measured yet: draft the configured depth
+        tokens_per_s = self.tokens / self.step_s
+        return self.level_s * tokens_per_s / self.calibration
 
 
 def expected_tokens(scores: torch.Tensor, sizes: list[int]) -> list[float]:

@@ -72,9 +72,15 @@ def draft_pool(
     root_position: int,
     top_k: int,
     depth: int,
+    min_gain: float = 0.0,
 ) -> DraftPool:
     """EAGLE-2 expansion: each level expands the top_k frontier nodes (by cumulative log-prob) into
-    top_k children each; every expanded child joins the candidate pool."""
+    top_k children each; every expanded child joins the candidate pool.
+
+    `min_gain` > 0 stops early: the children of the frontier can add at most the frontier's own
+    probability mass (sum of exp(score)) to the expected accepted tokens, so a level whose frontier
+    holds less than `min_gain` cannot pay for its head forward (`decode.tree=auto` sets it from the
+    measured cost of a level and the tokens per second the decoder achieves)."""
     committed = cache_length(cache)
     device = root_hidden.device
     logp = _log_probs(head, root_hidden[None])[0]  # [V_draft]
@@ -91,6 +97,8 @@ def draft_pool(
         f = frontier.numel()
         front_tokens = torch.cat(tokens)[frontier]
         front_scores = torch.cat(scores)[frontier]
+        if min_gain > 0 and float(front_scores.float().exp().sum()) < min_gain:
+            break
         eye = torch.eye(f, dtype=torch.bool, device=device)
         self_anc = torch.cat([anc, eye], dim=1)  # [F, S + F]
         out = _draft_forward(head, cache, committed, front_tokens, frontier_hidden, root_position + d, self_anc)

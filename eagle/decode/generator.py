@@ -13,6 +13,8 @@ Batch size is 1: per-sequence accepted lengths differ, and a batched version wou
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.decode.accept import accept_tree, target_choices
-from eagle.decode.autotree import choose_tree_size, time_verify_passes
+from eagle.decode.autotree import AutoTreeState, choose_tree_size, expected_tokens, time_verify_passes
 from eagle.decode.cache import keep_cache_entries
 from eagle.decode.draft import draft_pool, draft_static, head_commit, tree_from_pool
 from eagle.decode.stopping import StopChecker, eos_ids
@@ -30,6 +32,8 @@ from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +81,12 @@ class SpeculativeGenerator:
     def __init__(self, target: Any, head: DraftHead, tokenizer: Any, decode_cfg: DecodeConfig,
                  device: torch.device | str | None = None) -> None:
         self.target = target
+        target_dtype = next(target.parameters()).dtype
+        if next(head.parameters()).dtype != target_dtype:
+            # The head reads the target's features and runs in its dtype (bf16 decoding halves the
+            # bytes of every head matmul too).
+            log.info("casting the draft head from %s to the target's %s", next(head.parameters()).dtype, target_dtype)
+            head = head.to(target_dtype)
         self.head = head.eval()
         self.tokenizer = tokenizer
         self.cfg = decode_cfg
@@ -93,6 +103,7 @@ class SpeculativeGenerator:
                              f"has {vd} tokens; lower decode.tree_top_k or the ranks in decode.static_paths")
         self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
+        self._auto = AutoTreeState()
         self.last_result: GenerationResult | None = None
 
     # --- one step pieces -------------------------------------------------------------------------
@@ -104,11 +115,19 @@ class SpeculativeGenerator:
         c = self.cfg
         if self.static is not None:
             return draft_static(self.head, head_cache, root, root_hidden, root_pos, self.static)
-        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth)
-        total = c.tree_total_tokens
-        if c.tree == "auto":
-            total = choose_tree_size(self.verify_times or {}, pool.scores, default=total,
-                                     fixed_s=self._step_fixed_s)
+        if c.tree != "auto":
+            pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth)
+            return tree_from_pool(pool, root, c.tree_total_tokens)
+        # Auto: the head's probabilities scaled by how well they predicted acceptance so far; stop
+        # drafting deeper when a level cannot pay for itself; keep the size that maximises tokens/s.
+        alpha = self._auto.calibration
+        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth,
+                          min_gain=self._auto.min_level_gain())
+        scores = pool.scores.float() + math.log(alpha)
+        total = choose_tree_size(self.verify_times or {}, scores, default=c.tree_total_tokens,
+                                 fixed_s=self._step_fixed_s)
+        self._auto.predicted = expected_tokens(pool.scores, [total])[0] - 1.0
+        self._auto.levels = int(pool.depths.max())
         return tree_from_pool(pool, root, total)
 
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
@@ -166,6 +185,8 @@ class SpeculativeGenerator:
             res.timings.draft_s += t1 - t0
             res.timings.target_s += t2 - t1
             self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
+            if self.cfg.tree == "auto":
+                self._auto.observe(accepted=len(acc.tokens) - 1, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
             yield emitted
             if stop.done:
                 break

@@ -77,6 +77,7 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
                 "stop_reason": t["methods"][SPEC].get("stop_reason"),
                 "greedy_match": t["greedy_match"],
                 "first_mismatch": t.get("first_mismatch"),
+                "divergence": t.get("divergence"),
                 "timings": t["methods"][SPEC].get("timings", {}),
                 "answer": t.get("answer", ""),
             }
@@ -188,7 +189,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Prompts: {s['prompts']} ({report['num_prompts']} prompts, {report['num_turns']} turns, turns={s['turns']}), "
         f"temperature {s['temperature']}, max_new_tokens {s['max_new_tokens']}, tree {s['tree']}.",
         f"Hardware: {s['hardware']['cpu']}, {s['hardware']['torch_threads']} torch threads, device "
-        f"{s['hardware']['device']}, torch {s['hardware']['torch_version']}.",
+        f"{s['hardware']['device']}, torch {s['hardware']['torch_version']}. Every figure is for dtype "
+        f"**{s.get('dtype', 'float32')}** (target and head, every method alike).",
         "",
         "| method | tokens | seconds | tokens/s | speculative speedup |",
         "|---|---:|---:|---:|---:|",
@@ -204,6 +206,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- tau (tokens per target forward, bonus included): **{_fmt(report['tau'])}**",
         f"- acceptance rate by depth: {', '.join(_fmt(r) for r in report['accept_rate_by_depth']) or 'n/a'}",
         f"- greedy match with HF generate: {_fmt(report['greedy_match'])}",
+        *_divergence_lines(report.get("divergence")),
         f"- decoder overhead (share of speculative time outside target forwards): "
         f"{_fmt(dec.get('decoder_overhead_share'))} = head {_fmt(dec.get('draft_share'))} + bookkeeping "
         f"{_fmt(dec.get('bookkeeping_share'))}; per step: verify {_fmt(dec.get('verify_ms_per_step'))} ms, "
@@ -218,6 +221,16 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("plots"):
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report["plots"].values()]]
     return "\n".join(lines) + "\n"
+
+
+def _divergence_lines(d: dict[str, Any] | None) -> list[str]:
+    if not d or not d["divergent_turns"]:
+        return []
+    verdict = ("all at float32 near-ties (numeric argmax flips)" if d["all_numeric"]
+               else "**not all at near-ties: look for a decoder bug**")
+    return [f"- greedy divergences in {d['dtype']}: {d['divergent_turns']} of {d['turns']} turns; largest float32 "
+            f"top-1/top-2 margin {_fmt(d['max_margin'], 3)}, largest gap between the two chosen tokens "
+            f"{_fmt(d['max_gap'], 3)} (limit {d['margin_limit']}): {verdict}"]
 
 
 def write_atomic(path: Path, text: str) -> Path:

@@ -29,6 +29,8 @@ from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
 from eagle.evaluate import metrics, plots
 from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
+from eagle.evaluate.divergence import divergence_at
+from eagle.evaluate.divergence import summarize as summarize_divergence
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
 from eagle.heads.resolve import load_draft, resolve_draft
 
@@ -120,8 +122,11 @@ def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: Decod
     return {name: known[name] for name in cfg.eval.baselines}
 
 
+DivergenceFn = Callable[[torch.Tensor, list[int], list[int], int], dict[str, Any]]
+
+
 def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner], temperature: float,
-               stop_ids: list[int]) -> dict[str, Any]:
+               stop_ids: list[int], divergence: DivergenceFn | None = None) -> dict[str, Any]:
     """All methods on every turn of one prompt; the history follows the speculative answers."""
     turns: list[dict[str, Any]] = []
     answers: list[str] = []
@@ -134,10 +139,29 @@ def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner
         if temperature == 0 and "hf_generate" in methods:
             record["first_mismatch"] = first_mismatch(spec, methods["hf_generate"]["tokens"])
             record["greedy_match"] = record["first_mismatch"] is None
+            if record["first_mismatch"] is not None and divergence is not None:
+                record["divergence"] = divergence(input_ids, spec, methods["hf_generate"]["tokens"],
+                                                  record["first_mismatch"])
         answers.append(answer_text(tokenizer, spec, stop_ids))
         record["answer"] = answers[-1]
         turns.append(record)
     return prompt_record(prompt.id, prompt.category, turns)
+
+
+def _divergence_fn(cfg: RootConfig, target: Any, device: torch.device, dtype: str) -> DivergenceFn:
+    """Float32 logits at a greedy divergence; a float32 copy of the target is loaded on first need."""
+    holder: dict[str, Any] = {"model": target if dtype == "float32" else None}
+
+    def fn(input_ids: torch.Tensor, ours: list[int], theirs: list[int], position: int) -> dict[str, Any]:
+        from eagle.targets import load_target
+
+        if holder["model"] is None:
+            log.info("greedy output left HF generate's in %s: loading a float32 copy of the target to check "
+                     "the divergence", dtype)
+            holder["model"] = load_target(replace(cfg.target, dtype="float32"), device=device)[0]
+        return divergence_at(holder["model"], input_ids, ours, theirs, position)
+
+    return fn
 
 
 def _fingerprint(cfg: RootConfig, decode: DecodeConfig, draft_folder: Path, target_fingerprint: str) -> str:
@@ -262,7 +286,7 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.eval.num_threads)  # one setting for every method, restored on exit
     try:
         device = resolve_device(cfg)
-        target, tokenizer, info = load_target(cfg.target, device=device)
+        target, tokenizer, info = load_target(cfg.target, device=device, stage="decode")
         head, draft = load_draft(cfg.draft.path, target, device=device)
         decode = copy.deepcopy(cfg.decode)
         generator = SpeculativeGenerator(target, head, tokenizer, decode, device=device)
@@ -271,6 +295,7 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             generator.calibrate()
         runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
         stop_ids = stop_token_ids(target, tokenizer)
+        divergence = _divergence_fn(cfg, target, device, info.dtype)
 
         # Warm-up: first calls pay for allocator growth and kernel selection; not measured.
         for prompt in tqdm(prompts[: cfg.eval.warmup_prompts], desc="warm-up", unit="prompt"):
@@ -290,16 +315,21 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             if prompt.id in done:
                 per_prompt.append(done[prompt.id])
                 continue
-            rec = run_prompt(prompt, tokenizer, runners, decode.temperature, stop_ids)
+            rec = run_prompt(prompt, tokenizer, runners, decode.temperature, stop_ids, divergence)
             _append_progress(progress, fingerprint, rec)
             per_prompt.append(rec)
 
         report = aggregate(per_prompt, decode.temperature, _max_depth(decode))
+        if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines:
+            turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
+            report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)
+            report["divergence"]["dtype"] = info.dtype
         if cfg.eval.tree_sweep:
             report["tree_sweep"] = run_tree_sweep(cfg, target, head, tokenizer, device, decode, prompts, per_prompt)
         report["settings"] = {
             "target": cfg.target.path,
             "target_fingerprint": info.fingerprint,
+            "dtype": info.dtype,  # target and head, every method alike (target.dtype resolved)
             "draft_path": cfg.draft.path,
             "draft_folder": str(draft.folder),
             "draft_kind": draft.via,

@@ -23,6 +23,7 @@ from eagle.export.formats import (
     CONFIG_FILE,
     FORMATS,
     HEAD_CONFIG_FILE,
+    SPECULATORS_EMBED,
     WEIGHTS_FILE,
     build_config,
     expected_tensors,
@@ -46,19 +47,103 @@ def resolve_head_source(path: str | Path) -> tuple[Path, Path | None]:
     return resolved.folder, resolved.training_dir
 
 
-def verifier_info(target_path: str) -> dict[str, Any]:
-    """{"name_or_path", "architectures"} of the target, read locally where possible (no network)."""
+VERIFIER_MODES = ("local", "hub")
+
+
+def verifier_info(target_path: str | None, verifier: str | None = None, default: str = "local") -> dict[str, Any]:
+    """{"name_or_path", "architectures"} for a speculators `verifier` block, read locally (no network).
+
+    `verifier` is `export.verifier`: None means `default`. "local": the target's local folder (a
+    target folder as given, the converted folder of a `.gguf` / built-in target), so the speculators
+    library loads offline; a Hub-id target stays its Hub id. "hub": the target's Hub id (what a
+    published repo should name). Anything else is written as given (an existing folder made absolute).
+    """
     from eagle.config import TargetConfig
     from eagle.targets import resolve_target_path
 
+    mode = verifier or default
+    local: Path | None = None
+    if target_path:
+        try:
+            resolved, _ = resolve_target_path(TargetConfig(path=target_path))
+            local = Path(resolved) if Path(resolved).is_dir() else None
+        except EagleError as e:  # a missing asset: the name alone still identifies the target
+            log.warning("target.path=%s does not resolve locally (%s)", target_path, e)
+    if mode == "local":
+        if verifier == "local" and local is None:
+            raise ExportError(f"export.verifier=local: target.path={target_path!r} has no local folder (a Hub id "
+                              "or missing file); give export.verifier=FOLDER or a local target.path")
+        name = str(local) if local is not None else (hub_id_for_target(target_path) if target_path else None)
+    elif mode == "hub":
+        name = hub_id_for_target(target_path) if target_path else None
+    else:
+        given = Path(mode).expanduser()
+        name = str(given.resolve()) if given.is_dir() else mode
     archs: list[str] = []
+    for folder in (Path(name) if name else None, local):
+        if folder is not None and (folder / CONFIG_FILE).is_file():
+            archs = list(read_json(folder / CONFIG_FILE).get("architectures") or [])
+            break
+    else:
+        log.warning("verifier %s: architectures unknown (no local config.json); the speculators verifier lists "
+                    "none", name)
+    return {"name_or_path": name, "architectures": archs}
+
+
+def target_input_embedding(target_path: str) -> torch.Tensor:
+    """The target's input embedding [vocab, hidden], read from its safetensors without building the
+    model where possible (a local folder, or the Hub / local HF cache for a Hub id); otherwise the
+    target is loaded once and its `get_input_embeddings()` taken."""
+    from eagle.config import TargetConfig
+    from eagle.targets import load_target, resolve_target_path
+
+    target = TargetConfig(path=target_path)
+    resolved, _ = resolve_target_path(target)
     try:
-        resolved, _ = resolve_target_path(TargetConfig(path=target_path))
-        if Path(resolved).is_dir():
-            archs = list(read_json(Path(resolved) / CONFIG_FILE).get("architectures") or [])
-    except EagleError as e:  # a Hub id offline or a missing asset: the name alone still identifies it
-        log.warning("target architectures unknown (%s); the speculators verifier lists none", e)
-    return {"name_or_path": hub_id_for_target(target_path), "architectures": archs}
+        found = _embedding_from_safetensors(resolved, target.revision)
+    except Exception as e:  # an unusual layout / a Hub error: fall back to loading the model
+        log.info("embedding of %s not read from safetensors (%s); loading the target", resolved, e)
+        found = None
+    if found is not None:
+        return found
+    model, _, _ = load_target(target)
+    return model.get_input_embeddings().weight.detach().to("cpu")
+
+
+def _embedding_from_safetensors(resolved: str, revision: str | None) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    folder = Path(resolved)
+
+    def get(name: str) -> Path | None:
+        if folder.is_dir():
+            return folder / name if (folder / name).is_file() else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return Path(hf_hub_download(resolved, name, revision=revision))
+        except EntryNotFoundError:
+            return None
+
+    index = get("model.safetensors.index.json")
+    if index is not None:
+        weight_map: dict[str, str] = dict(read_json(index).get("weight_map") or {})
+    else:
+        single = get(WEIGHTS_FILE)
+        if single is None:
+            return None
+        with safe_open(str(single), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), WEIGHTS_FILE)
+    keys = [k for k in weight_map if k.endswith("embed_tokens.weight")]
+    if not keys:
+        return None
+    key = min(keys, key=len)  # model.embed_tokens.weight over e.g. a vision tower's
+    shard = get(weight_map[key])
+    if shard is None:
+        return None
+    with safe_open(str(shard), framework="pt") as f:
+        return f.get_tensor(key)
 
 
 def _cast(name: str, t: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -99,19 +184,27 @@ def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, 
 
 def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: str | Path, fmt: str,
                  dtype: str = "float16", target_path: str | None = None, speculative_tokens: int = 4,
-                 extra_files: dict[str, str] | None = None) -> ExportedHead:
-    """Write and validate a `fmt` folder for a head given as (HeadConfig, our-named tensors)."""
+                 extra_files: dict[str, str] | None = None, embed_tokens: torch.Tensor | None = None,
+                 verifier: str | None = None, verifier_default: str = "local") -> ExportedHead:
+    """Write and validate a `fmt` folder for a head given as (HeadConfig, our-named tensors).
+
+    format=speculators also stores the target's input embedding (`embed_tokens`, else read from
+    `target_path`) and names the verifier per `verifier` / `verifier_default` (see `verifier_info`).
+    """
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in _DTYPES:
         raise ExportError(f"export.dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
-    verifier = verifier_info(target_path) if (fmt == "speculators" and target_path) else None
-    config = build_config(cfg, fmt, dtype, verifier=verifier, speculative_tokens=speculative_tokens)
+    info = verifier_info(target_path, verifier, verifier_default) if fmt == "speculators" else None
+    config = build_config(cfg, fmt, dtype, verifier=info, speculative_tokens=speculative_tokens)
     if fmt == "speculators" and not config["speculators_config"]["verifier"]["name_or_path"]:
-        raise ExportError("format=speculators needs the target's name for the verifier: set target.path")
+        raise ExportError("format=speculators needs the target's name for the verifier: set target.path "
+                          "(or export.verifier)")
     stored = format_tensors(cfg, tensors, fmt, dtype)
+    if fmt == "speculators":
+        stored[SPECULATORS_EMBED] = _speculators_embedding(cfg, embed_tokens, target_path, dtype)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -136,11 +229,35 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     return check_folder(out, expect_format=fmt, dtype=dtype)
 
 
+def _speculators_embedding(cfg: HeadConfig, embed: torch.Tensor | None, target_path: str | None,
+                           dtype: str) -> torch.Tensor:
+    """The target's input embedding, cast to the export dtype, for a speculators folder."""
+    if embed is None:
+        if not target_path:
+            raise ExportError("format=speculators stores the target's input embedding (the speculators library "
+                              "would otherwise run on zeros): set target.path to the head's target")
+        try:
+            embed = target_input_embedding(target_path)
+        except EagleError as e:
+            raise ExportError(f"format=speculators stores the target's input embedding, and it cannot be read "
+                              f"from target.path={target_path!r}: {e}") from e
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ExportError(f"the target's input embedding has shape {list(embed.shape)}, the head expects "
+                          f"[{cfg.vocab_size}, {cfg.hidden_size}]: target.path is not the head's target")
+    return _cast(SPECULATORS_EMBED, embed, "float", _DTYPES[dtype])
+
+
 def export_head(head: DraftHead, output_dir: str | Path, fmt: str, dtype: str = "float16",
-                target_path: str | None = None, speculative_tokens: int = 4) -> ExportedHead:
-    """Export a live head module (its own weights and vocab maps, nothing borrowed)."""
+                target_path: str | None = None, speculative_tokens: int = 4,
+                verifier: str | None = None) -> ExportedHead:
+    """Export a live head module (its own weights and vocab maps; format=speculators also stores the
+    embedding of the target it is attached to, if any, else reads it from `target_path`)."""
+    borrowed = getattr(head, "_borrowed", None) or {}
+    module = borrowed.get("embed_tokens")
+    embed = module.weight.detach() if module is not None and fmt == "speculators" else None
     return write_export(head.config, head.trainable_state_dict(), output_dir, fmt, dtype,
-                        target_path=target_path, speculative_tokens=speculative_tokens)
+                        target_path=target_path, speculative_tokens=speculative_tokens, embed_tokens=embed,
+                        verifier=verifier)
 
 
 def _trained_target_path(train_dir: Path | None) -> str | None:
@@ -167,7 +284,9 @@ def run_export(cfg: Any) -> ExportedHead:
     source = check_folder(src)
     target_path = _trained_target_path(train_dir) or cfg.target.path
     head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
-                        target_path=target_path, speculative_tokens=cfg.decode.tree_depth)
+                        target_path=target_path, speculative_tokens=cfg.decode.tree_depth,
+                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None,
+                        verifier=cfg.export.verifier, verifier_default="local")
     print(summary(head))
     return head
 
@@ -184,8 +303,12 @@ def summary(head: ExportedHead) -> str:
         f"  vocab {c.vocab_size}, draft vocab {c.draft_vocab_size}, aux layers {c.aux_layer_ids or 'n/a'}",
         f"  {len(head.tensors)} tensors, {n / 1e6:.2f}M parameters, dtype {', '.join(dtypes)}",
     ]
+    if head.format == "speculators":
+        verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        lines.append(f"  speculators verifier: {verifier}")
     if head.borrowed:
-        lines.append(f"  also stores target-owned {', '.join(sorted(head.borrowed))} (not used: eagle borrows "
-                     "the target's)")
+        lines.append(f"  also stores target-owned {', '.join(sorted(head.borrowed))} (eagle itself borrows the "
+                     "target's" + ("; the speculators library needs it" if head.format == "speculators" else "")
+                     + ")")
     lines += [f"  note: {m}" for m in head.notes]
     return "\n".join(lines)

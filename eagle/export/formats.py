@@ -12,11 +12,17 @@ handling, SGLang `llama_eagle3.py` / `llama_eagle.py`, vllm-project/speculators 
 | speculators | fc, layers.0.*, norm, lm_head, d2t, t2d  | (not supported)                      | speculators_model_type=eagle3, Eagle3Speculator|
 | hf          | our own names (= `save_head`)            | our own names                        | head_config.json + Llama-style config.json    |
 
-Embeddings: no format needs `embed_tokens.weight` for our heads, so none is written: vLLM skips the
-draft embedding when the checkpoint has none and shares the target's, SGLang always installs the
-target's embedding (`set_embed`), speculators marks it optional (`has_drafter_embedding`), and our
-own loader borrows the target's. EAGLE-1's LM head is the target's in every runtime, so it is not
-written either.
+Embeddings: vllm / sglang / hf folders hold no `embed_tokens.weight`: vLLM skips the draft
+embedding when the checkpoint has none and shares the target's, SGLang always installs the
+target's embedding (`set_embed`), and our own loader borrows the target's. speculators folders
+store the target's input embedding (vocab x hidden in the export dtype): the speculators library
+(0.9) fills `embed_tokens` from the verifier only while it is still NaN, and under transformers 5
+`from_pretrained` has already materialised it (zeros), so without a stored copy its forward runs on
+a zero embedding. Older speculators exports without it still pass `--check`, with a note.
+EAGLE-1's LM head is the target's in every runtime, so it is not written either.
+
+speculators `verifier.name_or_path` is what that library (and `vllm serve <speculators folder>`)
+loads the verifier from; `export.verifier` picks it (default: the local target folder).
 
 Layer-id conventions differ: our `aux_layer_ids` (and vLLM's / speculators'
 `eagle_aux_hidden_state_layer_ids`) name the *input* of decoder layer i; SGLang adds 1 to the ids
@@ -41,6 +47,7 @@ WEIGHTS_FILE = "model.safetensors"
 HEAD_CONFIG_FILE = "head_config.json"
 CONFIG_FILE = "config.json"
 EXPORT_META_KEY = "eagle_export"  # our own block in config.json: canonical HeadConfig + format
+SPECULATORS_EMBED = "embed_tokens.weight"  # the target's input embedding, stored in speculators folders
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE1_ARCHS = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
@@ -116,6 +123,8 @@ def format_keys(cfg: HeadConfig, fmt: str) -> dict[str, tuple[tuple[int, ...], s
     spec = expected_tensors(cfg)
     if fmt == "vllm" and cfg.algorithm == "eagle1":
         spec.pop("fc.bias")  # vLLM's EagleLlamaForCausalLM builds fc without a bias
+    if fmt == "speculators":
+        spec[SPECULATORS_EMBED] = ((cfg.vocab_size, cfg.hidden_size), "float")  # the target's, see above
     return {to_format_name(k, fmt, cfg.algorithm): v for k, v in spec.items()}
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
-from eagle.export.formats import hub_id_for_target
+from eagle.export.formats import SPECULATORS_EMBED, hub_id_for_target
 from eagle.export.validate import ExportedHead, check_folder
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,8 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
         lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
                   f"--speculative-draft-model-path {name} --speculative-num-steps 4 --speculative-eagle-topk 4 "
                   "--speculative-num-draft-tokens 16", "```"]
+    if fmt == "speculators":
+        lines += speculators_usage(head, name)
     lines += ["", "With `eagle` itself (any format):", "", "```bash",
               f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
     if reports:
@@ -207,6 +209,28 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     return "\n".join(lines) + "\n"
 
 
+def speculators_usage(head: ExportedHead, name: str) -> list[str]:
+    """Model-card lines for loading a speculators folder with the speculators library."""
+    verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    embed = head.borrowed.get(SPECULATORS_EMBED)
+    lines = ["", "With the `speculators` library (checked with speculators 0.9.0):", "", "```python",
+             "from speculators import SpeculatorModel", "",
+             f'model = SpeculatorModel.from_pretrained("{name}")', "```", "",
+             f"`from_pretrained` reads the verifier's config and LM head from `speculators_config.verifier."
+             f"name_or_path`, which this folder sets to `{verifier}`. Offline, that must be a local folder of the "
+             "target: export with `eagle-export ... format=speculators export.verifier=/path/to/target` "
+             "(`eagle-export` defaults to the local target folder the head was trained on, `eagle-publish` to the "
+             "target's Hub id), or edit that field."]
+    if embed is not None:
+        size = embed.numel() * embed.element_size()
+        lines += ["", f"`{SPECULATORS_EMBED}` is the target's own input embedding ({embed.shape[0]} x "
+                  f"{embed.shape[1]} x {embed.element_size()} bytes = {size / 2**20:.1f} MiB), stored because the "
+                  "speculators library fills its embedding from the verifier only while it is uninitialised (NaN), "
+                  "which transformers 5 no longer leaves it; without it the head would run on zeros. `eagle` itself "
+                  "uses the target's embedding (the same values)."]
+    return lines
+
+
 def run_publish(cfg: Any) -> Path:
     """The `eagle-publish` stage; returns the Hub folder (uploaded unless publish.dry_run)."""
     p = cfg.publish
@@ -222,8 +246,11 @@ def run_publish(cfg: Any) -> Path:
     provenance = training_provenance(train_dir)
     hub = Path(cfg.output_dir) / "hub"
     # The card describes the validated export, so it is written after it (atomically, like the weights).
+    # A published repo names the verifier by its Hub id unless export.verifier says otherwise.
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
-                        speculative_tokens=cfg.decode.tree_depth)
+                        speculative_tokens=cfg.decode.tree_depth, verifier=cfg.export.verifier,
+                        verifier_default="hub",
+                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
     card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id)
     tmp = hub / "README.md.tmp"
     tmp.write_text(card)

@@ -21,6 +21,7 @@ from eagle.export.formats import (
     CONFIG_FILE,
     EXPORT_META_KEY,
     HEAD_CONFIG_FILE,
+    SPECULATORS_EMBED,
     WEIGHTS_FILE,
     build_config,
     expected_tensors,
@@ -208,6 +209,13 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
         if tuple(t.shape) != (rows, cfg.hidden_size):
             raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, expected "
                               f"{_fmt_shape((rows, cfg.hidden_size))}")
+        if head.format == "speculators" and name == SPECULATORS_EMBED:
+            if want is not None and t.dtype != want:
+                raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
+            if not bool(torch.isfinite(t.float()).all()):
+                raise ExportError(f"{where}: tensor {name} holds NaN or inf values")
+            if not bool(t.abs().amax() > 0):
+                raise ExportError(f"{where}: tensor {name} is all zeros (it must be the target's input embedding)")
     if "d2t" in head.tensors or "t2d" in head.tensors:
         if not ("d2t" in head.tensors and "t2d" in head.tensors):
             raise ExportError(f"{where}: d2t and t2d must be stored together")
@@ -217,6 +225,12 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
         stored = set(format_keys(cfg, head.format))
         have = set(head.tensors) | set(head.borrowed)
         have_stored = {to_format_name(n, head.format, cfg.algorithm) for n in have}
+        if head.format == "speculators" and SPECULATORS_EMBED not in have_stored:
+            # Written before speculators exports stored the embedding: still a valid head for vLLM and
+            # eagle, but the speculators library would run it on a zero embedding.
+            stored.discard(SPECULATORS_EMBED)
+            head.notes.append(f"no {SPECULATORS_EMBED}: the speculators library (0.9) would run this head on an "
+                              "all-zero input embedding; re-export with this eagle to store the target's")
         if have_stored != stored:
             raise ExportError(f"{where}: tensor names {sorted(have_stored ^ stored)} differ from what "
                               f"format={head.format} prescribes")

@@ -8,6 +8,7 @@ Layout of a training output dir:
         scheduler.pt      LambdaLR state         (plain numbers)
         rng/rank-00000.pt torch / python / numpy (/ cuda) RNG states of each rank, as tensors and tuples
         state.json        step, data position (epoch, index), best-so-far, metrics, identity
+        run_config.json   the run's resolved config: a resume with other trajectory settings is refused
     <output_dir>/latest   text: "checkpoints/step-0000100", rewritten after each save
     <output_dir>/best/    save_head() folder of the best held-out tau_sim so far (what later stages load)
 
@@ -38,6 +39,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 BEST = "best"
 STATE = "state.json"
+RUN_CONFIG = "run_config.json"  # the resolved config of the run (eagle.train.resume)
 FORMAT_VERSION = 1
 
 
@@ -126,11 +128,14 @@ def save_checkpoint(
     barrier: Callable[[], None] = _no_barrier,
     rng: dict[str, Any] | None = None,
     head_extra: dict[str, Any] | None = None,
+    run_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write `checkpoints/step-<state.step>/` atomically, point `latest` at it, keep the newest `keep`.
 
     Call on every rank (each writes its own RNG file); rank 0 writes the rest. `head` is the unwrapped
     head; `rng` defaults to the current RNG state of this process. Refuses non-finite weights.
+    `run_config` (`eagle.train.resume.run_record`) is stored as `run_config.json`: what a resume
+    compares its own settings with.
     """
     from eagle.heads.io import save_head
 
@@ -154,6 +159,8 @@ def save_checkpoint(
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
+        if run_config is not None:
+            (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True, default=str) + "\n")
         fsync_tree(tmp)
         if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
             shutil.rmtree(final)

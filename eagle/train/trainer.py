@@ -47,6 +47,7 @@ from eagle.train import checkpoint as ckpt
 from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit, eval_batches
 from eagle.train.losses import add_feature_noise, eagle1_loss, eagle3_loss, shift_left
 from eagle.train.metrics import MetricSums
+from eagle.train.resume import check_resume, follow_schedule, run_record
 from eagle.train.schedule import build_optimizer, build_scheduler
 from eagle.train.ttt import ttt_forward
 
@@ -269,8 +270,11 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
     return train, held
 
 
-def _prepare_output(cfg: RootConfig) -> Path | None:
-    """The checkpoint to resume from per train.resume (auto | true | false), or None."""
+def _prepare_output(cfg: RootConfig, log: Callable[[str], None] | None = print) -> Path | None:
+    """The checkpoint to resume from per train.resume (auto | true | false), or None.
+
+    A checkpoint written under settings that change the training trajectory is refused; allowed
+    changes (max_steps, cadences, logger) are logged (`eagle.train.resume.check_resume`)."""
     out = Path(cfg.output_dir)
     mode = str(cfg.train.resume).lower()
     latest = ckpt.find_latest_checkpoint(out)
@@ -281,7 +285,10 @@ def _prepare_output(cfg: RootConfig) -> Path | None:
         )
     if mode == "true" and latest is None:
         raise CheckpointError(f"train.resume=true but {out} has no complete checkpoint under {ckpt.CHECKPOINTS}/")
-    return latest if mode != "false" else None
+    if mode == "false" or latest is None:
+        return None
+    check_resume(cfg, latest, log)
+    return latest
 
 
 def _make_accelerator(cfg: RootConfig):
@@ -380,7 +387,8 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
     accelerator = _make_accelerator(cfg)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     timer = _Timer()
-    resume_from = _prepare_output(cfg)
+    resume_from = _prepare_output(cfg, log=print if accelerator.is_main_process else None)
+    resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
 
     # --- target, data, head --------------------------------------------------------------------
     target, tokenizer, info = load_target(cfg.target, device=device)
@@ -409,6 +417,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
         head.load_state_dict(loaded.state_dict())
         optimizer.load_state_dict(ckpt.load_torch(resume_from / "optimizer.pt"))
         scheduler.load_state_dict(ckpt.load_torch(resume_from / "scheduler.pt"))
+        follow_schedule(optimizer, scheduler)  # a raised max_steps re-shapes the decay still to come
         rng = ckpt.load_rng(resume_from, rank)
         state = saved
         state.world_size = world
@@ -437,7 +446,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
             state.epoch, state.index = stream.position.epoch, stream.position.index
             return ckpt.save_checkpoint(out, state, accelerator.unwrap_model(wrapper).head, optimizer, scheduler,
                                         t.keep_checkpoints, rank, accelerator.wait_for_everyone, rng_override,
-                                        head_extra)
+                                        head_extra, run_config=resume_record)
 
     def run_eval() -> None:
         if held_split is None:

