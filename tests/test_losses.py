@@ -102,3 +102,26 @@ def test_feature_noise():
     assert noisy.abs().max() <= 0.1 and noisy.abs().max() > 0.05 and noisy.mean().abs() < 0.01
     assert add_feature_noise(x, 0.2, training=False) is x
     assert add_feature_noise(x, 0.0) is x
+
+
+def test_draft_vocab_label_rows_give_the_full_vocab_loss():
+    """Training's soft labels from the draft vocabulary's LM-head rows only: the same loss (and
+    gradients) as the full-vocabulary target logits restricted to the draft columns."""
+    torch.manual_seed(0)
+    b, t, h, v, vd = 2, 7, 16, 50, 12
+    draft_ids = torch.sort(torch.randperm(v)[:vd]).values
+    d2t, t2d = build_vocab_maps(draft_ids, v)
+    lm = torch.nn.Linear(h, v, bias=False)
+    feat = torch.randn(b, t, h)
+    full = lm(feat)  # [B, T, V]
+    rows = lm.weight[torch.arange(vd) + d2t]  # [Vd, H]
+    step_logits = [torch.randn(b, t, vd, requires_grad=True) for _ in range(3)]
+    mask = torch.rand(b, t) > 0.3
+    ref = eagle3_loss(step_logits, full, mask, t2d, d2t, 0.8)
+    ones, zeros = torch.ones(vd, dtype=torch.bool), torch.zeros(vd, dtype=torch.long)
+    got = eagle3_loss(step_logits, feat @ rows.T, mask, ones, zeros, 0.8)
+    torch.testing.assert_close(got.loss, ref.loss)
+    g_ref = torch.autograd.grad(ref.loss, step_logits, retain_graph=True)
+    g_got = torch.autograd.grad(got.loss, step_logits)
+    for a, c in zip(g_ref, g_got, strict=True):
+        torch.testing.assert_close(a, c)

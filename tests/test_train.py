@@ -395,6 +395,20 @@ def test_bf16_mixed_precision_trains(ws3, tmp_path):
     assert math.isfinite(result.train_metrics["loss"]) and result.eval_metrics["tau_sim"] >= 1.0
 
 
+@pytest.mark.parametrize("capture_dtype", ["float16", "bfloat16"])
+def test_bf16_mixed_precision_trains_on_half_precision_captures(ws3, tmp_path, capture_dtype):
+    """float16 features inside CPU bf16 autocast used to crash (`at::autocast::prioritize`)."""
+    from eagle.capture.runner import run_capture
+    from eagle.train.trainer import train
+
+    base = [o for o in ws3.base if not o.startswith("capture.dtype=")] + [f"capture.dtype={capture_dtype}"]
+    run_capture(compose(base + [f"output_dir={tmp_path / 'cap'}"]))
+    result = train(compose(base + train_overrides(tmp_path / "o", tmp_path / "cap", steps=2)
+                           + ["train.mixed_precision=bf16", "train.eval_every=2"]))
+    assert result.step == 2 and not result.skipped_steps
+    assert math.isfinite(result.eval_metrics["loss"])
+
+
 def test_sigterm_finishes_the_step_saves_and_resumes(ws3, tmp_path):
     from eagle.train.trainer import TrainHooks, train
 

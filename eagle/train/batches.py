@@ -68,7 +68,12 @@ class OfflineSplit:
         return self.dataset[index]
 
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        return _to_device(batch, device)
+        batch = _to_device(batch, device)
+        # Half-precision storage is for disk; compute reads float32 features (a few MB per batch).
+        # CPU autocast cannot mix float16 inputs into bf16 regions (`at::autocast::prioritize`
+        # rejects them), and float32 keeps the soft labels' LM-head input exact.
+        return {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v)
+                for k, v in batch.items()}
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """Loss-mask token counts [V] of this split, read from the shards' ids (no features)."""

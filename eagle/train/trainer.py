@@ -116,6 +116,7 @@ def head_losses(
     noise_std: float,
     pad_id: int,
     norms: torch.Tensor | None,  # [steps] global loss-token counts; None = this batch's own counts
+    label_rows: torch.Tensor | None = None,  # [Vd, H] LM-head rows of the draft vocabulary (training)
 ) -> LossParts:
     """Loss of one collated micro-batch with features, for either algorithm.
 
@@ -148,12 +149,23 @@ def head_losses(
         extra["feature_loss"] = float(r1.feature_loss.detach()) * r1.count
         finite = bool(torch.isfinite(r1.loss.detach()))
     else:
-        with torch.no_grad():
-            target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
         step_logits = [head.logits(o) for o in outs]  # steps x [B, T, Vd]
-        if algo == "eagle3":
+        if label_rows is not None:
+            # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns):
+            # the same renormalised target distribution; accuracy is then against the target's best
+            # draft-vocabulary token (equal to the full top-1 whenever that is in the draft vocab).
+            with torch.no_grad():
+                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [B, T, Vd]
+            vd = label_rows.shape[0]
+            t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
+            d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
+        elif algo == "eagle3":
+            with torch.no_grad():
+                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
             t2d, d2t = head.t2d, head.d2t
         else:  # EAGLE-1 drafts from the full vocabulary
+            with torch.no_grad():
+                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
             t2d = torch.ones(target_logits.shape[-1], dtype=torch.bool, device=target_logits.device)
             d2t = torch.zeros(target_logits.shape[-1], dtype=torch.long, device=target_logits.device)
         r3 = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
@@ -161,7 +173,7 @@ def head_losses(
         step_loss = [float(x.detach()) * n for x, n in zip(r3.step_losses, r3.step_counts, strict=True)]
         step_correct = [round(float(x) * n) for x, n in zip(r3.step_accuracy, r3.step_counts, strict=True)]
         step_tokens = [float(n) for n in r3.step_counts]
-        if r3.coverage is not None and algo == "eagle3":
+        if r3.coverage is not None and algo == "eagle3" and label_rows is None:
             extra["coverage"] = float(r3.coverage) * r3.step_counts[0]
         if algo == "eagle1":  # evaluation of EAGLE-1: the feature loss of step 0 as in training
             m = a["loss_mask"] & a["valid"]
@@ -181,7 +193,22 @@ class TrainStep(nn.Module):
         self.loss_kw = loss_kw
 
     def forward(self, batch: dict[str, Any], norms: torch.Tensor) -> LossParts:  # type: ignore[override]
-        return head_losses(self.head, self._borrowed["lm_head"], batch, norms=norms, **self.loss_kw)
+        return head_losses(self.head, self._borrowed["lm_head"], batch, norms=norms,
+                           label_rows=self._label_rows(), **self.loss_kw)
+
+    def _label_rows(self) -> torch.Tensor | None:
+        """The frozen LM head's rows for the draft vocabulary (EAGLE-3 with a reduced vocabulary),
+        gathered once: a [Vd, H] matmul per step instead of [V, H]."""
+        cfg = self.head.config
+        lm_head = self._borrowed["lm_head"]
+        if cfg.algorithm != "eagle3" or cfg.draft_vocab_size >= cfg.vocab_size or getattr(lm_head, "bias", None) is not None:
+            return None
+        rows = self._borrowed.get("label_rows")
+        if rows is None or rows.device != self.head.d2t.device:
+            ids = torch.arange(cfg.draft_vocab_size, device=self.head.d2t.device) + self.head.d2t  # [Vd] target ids
+            rows = lm_head.weight.detach()[ids.to(lm_head.weight.device)].to(self.head.d2t.device)  # [Vd, H]
+            self._borrowed["label_rows"] = rows
+        return rows
 
 
 # --------------------------------------------------------------------------------------- helpers
