@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for tests on tiny models: they are latency-bound, and two threads on two busy
+    cores only add contention and per-op overhead. Restores the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

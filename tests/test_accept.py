@@ -22,14 +22,10 @@ from eagle.decode.generator import SpeculativeGenerator
 from eagle.decode.tree import retrieval_paths
 from tests.test_decode_helpers import random_head
 
+# Tiny models are latency-bound: one torch thread (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: extra threads only add contention and per-op overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
 
 
 def chi2_ok(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09) -> tuple[bool, float, float]:

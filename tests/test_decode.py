@@ -13,16 +13,13 @@ from eagle.errors import EagleError
 from tests.test_decode_helpers import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.tiny_models import make_model
 
+# Tiny models are latency-bound: one torch thread (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = ["Write a short poem about the sea.", "def add(a, b):", "Explain relativity"]
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static"])

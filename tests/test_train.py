@@ -21,6 +21,9 @@ from eagle.train.metrics import MetricSums, simulated_tau
 from eagle.train.schedule import lr_factor
 from tests.tiny_models import _CORPUS, FAMILIES, make_model, save_model
 
+# Tiny models are latency-bound: one torch thread (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 # --------------------------------------------------------------------------------------- workspace
 def write_conversations(path: Path, n: int = 24) -> Path:
@@ -154,13 +157,6 @@ def test_metric_sums_are_token_weighted():
 
 
 # --------------------------------------------------------------------------------------- overfit
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: these tiny runs are latency-bound, and two threads on two busy cores thrash."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _soft_ce_floor(batch, lm_head, steps, decay, token_weight, algorithm, pad_id) -> float:
