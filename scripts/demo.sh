@@ -50,7 +50,12 @@ for name in ("eval", "eval-reference"):
     rep = out / name / "report.json"
     if rep.is_file():
         r = json.loads(rep.read_text())
-        print(f"{name}: tau={r['tau']:.2f}  speedup vs HF generate={r['speedup']:.2f}x  "
-              f"vs prompt lookup={r['speedup_vs_prompt_lookup']:.2f}x  greedy_match={r['greedy_match']}")
+        d = r.get("divergence") or {}
+        verdict = ""
+        if d.get("divergent_turns"):
+            verdict = (f" ({d['divergent_turns']} divergent turns, "
+                       f"{'all numeric' if d['all_numeric'] else 'NOT numeric: a bug'}, max fp32 margin {d['max_margin']:.3f})")
+        print(f"{name} [{r['settings'].get('dtype', 'float32')}]: tau={r['tau']:.2f}  speedup vs HF generate={r['speedup']:.2f}x  "
+              f"vs prompt lookup={r['speedup_vs_prompt_lookup']:.2f}x  greedy_match={r['greedy_match']}{verdict}")
 print(f"export: {out/'export-vllm'}")
 PY
