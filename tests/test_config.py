@@ -32,18 +32,53 @@ def test_there_is_something_to_compose():
     assert "smollm2-135m-instruct" in RECIPES and len(RECIPES) >= 3
 
 
+def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
+    """{dotted key: value} of a YAML file's plain values (no defaults list, ???, or interpolations)."""
+    out: dict[str, object] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == "defaults" and not prefix:
+                continue
+            out.update(_leaves(v, f"{prefix}{k}."))
+    elif not (isinstance(tree, str) and (tree == "???" or "${" in tree)):
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _composed_value(cfg: RootConfig, dotted: str) -> object:
+    value: object = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _assert_file_values_landed(cfg: RootConfig, yaml_file: Path, prefix: str) -> int:
+    from omegaconf import OmegaConf
+
+    leaves = _leaves(OmegaConf.to_container(OmegaConf.load(yaml_file), resolve=False))
+    for key, want in leaves.items():
+        got = _composed_value(cfg, prefix + key)
+        assert got == want, f"{yaml_file.name}: {prefix + key} composed to {got!r}, the file says {want!r}"
+    return len(leaves)
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_group_option_composes(group, option):
+    """Composing with the option selected validates, and every value the option's file sets arrives."""
     cfg = compose([f"{group}={option}", *REQUIRED.get((group, option), [])])
-    assert isinstance(cfg, RootConfig)
+    _assert_file_values_landed(cfg, CONF / group / f"{option}.yaml", f"{group}.")
+    for override in REQUIRED.get((group, option), []):
+        key, value = override.split("=", 1)
+        assert _composed_value(cfg, key) == value
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes(recipe):
+    """A recipe validates and every value it sets wins over the groups' defaults."""
+    path = CONF.parent / "recipes" / f"{recipe}.yaml"
+    assert path.read_text().startswith("# @package _global_"), "recipes override the whole config"
     cfg = compose([f"recipe={recipe}"])
-    assert isinstance(cfg, RootConfig)
-    text = (CONF.parent / "recipes" / f"{recipe}.yaml").read_text()
-    assert text.startswith("# @package _global_"), "recipes override the whole config"
+    assert _assert_file_values_landed(cfg, path, "") > 0
 
 
 def test_recipe_values_override_groups():
