@@ -13,7 +13,7 @@ from eagle.cli.app import compose
 from eagle.errors import CaptureError, CheckpointError, DataError
 from eagle.train.resume import RUN_CONFIG, compare, follow_schedule, run_record
 from eagle.train.schedule import build_optimizer, build_scheduler, lr_factor
-from tests.test_train import Workspace, assert_same_weights, final_head
+from tests.test_train import Workspace, assert_same_optimizer_state, assert_same_weights, final_head
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,6 @@ def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws, tmp_path):
 def test_raised_max_steps_continues_bit_exactly(ws, tmp_path, capsys):
     """2 steps, then resumed to 4 with another eval cadence == 4 steps straight (constant schedule, so
     max_steps does not shape the lr); the allowed changes are logged."""
-    from eagle.train.checkpoint import load_torch
     from eagle.train.trainer import train
 
     const = {"train__schedule": "constant"}
@@ -140,11 +139,7 @@ def test_raised_max_steps_continues_bit_exactly(ws, tmp_path, capsys):
     assert "train.max_steps: 2 -> 4" in log and "train.eval_every: 3 -> 2" in log
     assert resumed.step == straight.step == 4
     assert_same_weights(final_head(tmp_path / "a", 4), final_head(tmp_path / "b", 4))
-    oa = load_torch(tmp_path / "a" / "checkpoints" / "step-0000004" / "optimizer.pt")
-    ob = load_torch(tmp_path / "b" / "checkpoints" / "step-0000004" / "optimizer.pt")
-    for k, st in oa["state"].items():
-        for name, v in st.items():
-            assert torch.equal(v, ob["state"][k][name]), (k, name)
+    assert_same_optimizer_state(tmp_path / "a", tmp_path / "b", 4)
 
 
 def test_raised_max_steps_with_cosine_says_what_changes(ws, tmp_path, capsys):

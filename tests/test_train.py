@@ -114,6 +114,17 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[k], wb[k]), f"{k} differs between {a} and {b}"
 
 
+def assert_same_optimizer_state(a: Path, b: Path, step: int) -> None:
+    """The optimizer state (Adam moments) of two training output dirs at `step` is bit-identical."""
+    from eagle.train.checkpoint import load_torch
+
+    name = Path("checkpoints") / f"step-{step:07d}" / "optimizer.pt"
+    oa, ob = load_torch(a / name), load_torch(b / name)
+    for k, st in oa["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, ob["state"][k][key]), (k, key)
+
+
 def final_head(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step-{step:07d}" / "head"
 
@@ -328,13 +339,7 @@ def test_interrupt_and_resume_is_bit_exact(which, request, tmp_path):
     assert [x["step"] for x in logged if x["split"] == "train"] == list(range(1, 8))
     assert_same_weights(final_head(tmp_path / "a", 7), final_head(tmp_path / "b", 7))
     # Optimizer state too: Adam moments are part of "the same run".
-    from eagle.train.checkpoint import load_torch
-
-    oa = load_torch(tmp_path / "a" / "checkpoints" / "step-0000007" / "optimizer.pt")
-    ob = load_torch(tmp_path / "b" / "checkpoints" / "step-0000007" / "optimizer.pt")
-    for k, st in oa["state"].items():
-        for name, v in st.items():
-            assert torch.equal(v, ob["state"][k][name]), (k, name)
+    assert_same_optimizer_state(tmp_path / "a", tmp_path / "b", 7)
 
 
 # One plain-SGD update (-lr x gradient, no clipping, constant lr): weights after it compare the
