@@ -58,15 +58,21 @@ class DataConfig:
 @dataclass
 class RegenerateConfig:
     output: str | None = None  # default: <output_dir>/regenerated.jsonl
-    batch_size: int = 8
+    # continuous: every slot stays busy (a finished conversation's slot takes the next one at once),
+    # 1.8x the tokens/s of `generate` on a padded batch of 32 (scripts/bench_regenerate.py).
+    # generate: left-padded HF `generate` per batch, for targets whose attention the continuous
+    # engine cannot run (attention sinks).
+    engine: str = "continuous"
+    batch_size: int = 32  # concurrent sequences (continuous: KV-buffer slots)
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     max_turns: int | None = None  # regenerate only the first N assistant turns (None: all)
-    # A turn whose prompt is longer than this ends the conversation there: one long prompt would
-    # stall its whole left-padded batch, and training truncates at data.max_length anyway.
+    # A turn whose prompt is longer than this ends the conversation there: training truncates at
+    # data.max_length anyway, and the continuous engine's KV buffer holds
+    # batch_size x (max_prompt_tokens + max_new_tokens) positions.
     max_prompt_tokens: int = 1536
 
 
@@ -232,6 +238,7 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError("data=local needs data.path=FILE (a .json, .jsonl or .parquet conversation file)")
     if cfg.data.source == "hub" and not cfg.data.path:
         raise ConfigError("data=hub needs data.path=NAME (a Hugging Face data set name)")
+    _choice("regenerate.engine", cfg.regenerate.engine, ("continuous", "generate"))
     _positive("regenerate.batch_size", cfg.regenerate.batch_size)
     _positive("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens)
     _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)

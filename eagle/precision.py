@@ -6,8 +6,10 @@
     the float32 one and a verify pass of 8 tokens ~0.45x (weights are read at half the bytes), and that
     is where speculation pays. The output stays the target's own greedy output *in that dtype* up to
     argmax near-ties (see `eagle.evaluate.divergence`).
-  * capture / training / regeneration: float32 on a CPU (features keep full precision), bfloat16 on
-    an accelerator with bf16.
+  * regeneration (self-distillation): as decoding. Answers are generated in the dtype the target
+    will be served in, and a batch of 32 decodes ~1.7x faster in bf16.
+  * capture / training: float32 on a CPU (features keep full precision), bfloat16 on an
+    accelerator with bf16.
 
 An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
 would emulate it, several times slower than float32.
@@ -61,10 +63,10 @@ def native_dtype_support(dtype: str, device: torch.device | str | None = None) -
 
 
 def resolve_dtype(name: str, device: torch.device | str | None = None, stage: str = "decode") -> torch.dtype:
-    """The torch dtype for `target.dtype=name` on `device` in `stage` (decode | capture | train)."""
+    """The torch dtype for `target.dtype=name` on `device` in `stage` (decode | regenerate | capture | train)."""
     if name == "auto":
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        if stage != "decode" and dev.type == "cpu":
+        if stage not in ("decode", "regenerate") and dev.type == "cpu":
             return torch.float32
         ok, _ = native_dtype_support("bfloat16", dev)
         return torch.bfloat16 if ok else torch.float32

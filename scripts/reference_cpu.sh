@@ -1,30 +1,65 @@
 #!/usr/bin/env bash
-# How the shipped reference head heads/smollm2-135m-instruct-eagle3 is made on a 2-core CPU:
-# capture ShareGPT features, train the recipe, evaluate, export (hf format) into heads/ with its card.
-# Every stage resumes when re-run, so the run can be split over several sessions.
-#   STEPS=350 bash scripts/reference_cpu.sh
+# How the shipped reference head heads/smollm2-135m-instruct-eagle3 is made on a 2-core CPU, by the
+# recipe: self-distil ShareGPT first turns (the target's own answers), capture their features, train,
+# evaluate (bf16 = this CPU's decoding default, and fp32), export (vllm layout) with its card, check.
+# Every stage resumes when re-run with the same command (regeneration skips written conversations,
+# capture skips written shards, training continues from its last checkpoint), so the chain can be
+# split over several sessions. Prints the wall time of each stage, also appended to $WORK/stages.tsv.
+#
+#   CONVERSATIONS=4000 STEPS=6000 bash scripts/reference_cpu.sh
+#   STAGES="regenerate capture" bash scripts/reference_cpu.sh      (only some stages)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-350}
+CONVERSATIONS=${CONVERSATIONS:-4000}
+STEPS=${STEPS:-6000}
 WORK=${WORK:-outputs/ref}
 HEAD=heads/smollm2-135m-instruct-eagle3
+STAGES=${STAGES:-"regenerate capture train eval export check"}
 R=(recipe=smollm2-135m-instruct)
+PATH="$PWD/.venv/bin:$PATH"
+REGEN="$WORK/regen/regenerated.jsonl"
+mkdir -p "$WORK"
 
-eagle-capture "${R[@]}" output_dir="$WORK/capture"
-eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" output_dir="$WORK/train"
-# Held-out prompts only (MT-bench / HumanEval are removed from the training data at capture time).
-# MT-bench at T=0 through the decode benchmark (tree size auto-tuned, decoder overhead reported).
-python scripts/bench_decode.py "$WORK/train" --max-prompts ${MT_PROMPTS:-16} --max-new-tokens 96 --tree auto \
-  --output-dir "$WORK/eval-mtbench-t0"
-eagle-eval "${R[@]}" draft.path="$WORK/train" eval.prompts=humaneval eval.max_prompts=${HE_PROMPTS:-8} \
-  decode.max_new_tokens=96 output_dir="$WORK/eval-humaneval-t0"
-eagle-eval "${R[@]}" draft.path="$WORK/train" eval.prompts=mt_bench eval.max_prompts=${MT_PROMPTS_T1:-8} \
-  decode.temperature=1.0 decode.max_new_tokens=96 eval.baselines=[hf_generate] output_dir="$WORK/eval-mtbench-t1"
-eagle-publish "${R[@]}" draft.path="$WORK/train" format=vllm publish.dry_run=true \
-  publish.repo_id=eagle/smollm2-135m-instruct-eagle3 \
-  "publish.reports=[$WORK/eval-mtbench-t0,$WORK/eval-humaneval-t0,$WORK/eval-mtbench-t1]" output_dir="$WORK/publish"
-rm -rf "$HEAD" && mkdir -p heads && cp -r "$WORK/publish/hub" "$HEAD"
-mkdir -p "$HEAD/reports"
-for d in eval-mtbench-t0 eval-humaneval-t0 eval-mtbench-t1; do cp "$WORK/$d/report.json" "$HEAD/reports/$d.json"; done
-eagle-export --check "$HEAD"
-echo "reference head written to $HEAD"
+stage() {  # stage NAME COMMAND...: run it if NAME is in $STAGES, print and record its wall time
+  local name=$1; shift
+  [[ " $STAGES " == *" $name "* ]] || return 0
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@"
+  local took=$((SECONDS - start))
+  printf '%s\t%s\t%ss\n' "$(date -u +%FT%TZ)" "$name" "$took" | tee -a "$WORK/stages.tsv"
+}
+
+evaluate() {
+  local dtype
+  for dtype in bfloat16 float32; do
+    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=mt_bench eval.max_prompts=80 \
+      decode.temperature=0 decode.max_new_tokens=128 output_dir="$WORK/eval-mtbench-t0-$dtype"
+    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=humaneval eval.max_prompts=40 \
+      decode.temperature=0 decode.max_new_tokens=128 output_dir="$WORK/eval-humaneval-t0-$dtype"
+    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=mt_bench eval.max_prompts=20 \
+      decode.temperature=1.0 decode.max_new_tokens=128 output_dir="$WORK/eval-mtbench-t1-$dtype"
+  done
+}
+
+export_head() {
+  local reports=() d
+  for d in "$WORK"/eval-*; do reports+=("$d"); done
+  local joined
+  joined=$(IFS=,; echo "${reports[*]}")
+  eagle-publish "${R[@]}" draft.path="$WORK/train" format=vllm publish.dry_run=true \
+    publish.repo_id=eagle/smollm2-135m-instruct-eagle3 "publish.reports=[$joined]" output_dir="$WORK/publish"
+  rm -rf "$HEAD" && mkdir -p heads "$WORK/publish/hub/reports" && cp -r "$WORK/publish/hub" "$HEAD"
+  for d in "${reports[@]}"; do cp "$d/report.json" "$HEAD/reports/$(basename "$d").json"; done
+  eagle-export --check "$HEAD"
+}
+
+stage regenerate eagle-regenerate "${R[@]}" data.max_conversations="$CONVERSATIONS" output_dir="$WORK/regen"
+# Held-out prompts never enter: MT-bench / HumanEval are removed from the data before regeneration.
+stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_conversations=null \
+  output_dir="$WORK/capture"
+stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" output_dir="$WORK/train"
+stage eval evaluate
+stage export export_head
+stage check bash scripts/check_vllm.sh "$HEAD"
+echo "reference head: $HEAD (stage times in $WORK/stages.tsv)"

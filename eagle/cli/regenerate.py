@@ -20,11 +20,11 @@ def regenerate_stage(cfg: RootConfig) -> None:
     from eagle.targets import load_target
 
     device = cfg.device or PartialState().device
-    model, tokenizer, info = load_target(cfg.target, device=device)
+    model, tokenizer, info = load_target(cfg.target, device=device, stage="regenerate")
     conversations, stats = load_conversations(cfg.data)
     print(stats.summary(), file=sys.stderr)
     output = default_output(cfg.output_dir, cfg.regenerate)
-    regenerate(model, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=info.fingerprint,
+    regenerate(model, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=info.fingerprint, dtype=info.dtype,
                data=cfg.data)
     print(f"eagle-regenerate: wrote {output}; train on it with data=local data.path={output}")
 

@@ -1,11 +1,15 @@
 """Self-distillation: replace every assistant turn with the target's own answer.
 
 Multi-turn conversations are regenerated turn by turn: answer k is generated from the regenerated
-answers 0..k-1, so the training data is what the target would produce in that conversation. A batch
-of conversations advances one assistant turn per round with left-padded `generate` calls.
+answers 0..k-1, so the training data is what the target would produce in that conversation
+(`ConversationJob`). Two engines run the jobs: `continuous` (default; `eagle.decode.continuous`:
+a slot freed by a finished conversation takes the next one at once, conversations in order of
+prompt length) and `generate` (a batch advances one assistant turn per round with left-padded HF
+`generate` calls).
 
 Output: JSONL, one `{"id", "messages"}` record (OpenAI format) per conversation, readable by
-`data=local data.path=...`. Resumable: records are appended per finished batch with flush+fsync;
+`data=local data.path=...`, in the order conversations finish. Resumable: records are appended as
+they finish with flush+fsync;
 a restart skips ids already written, drops a torn last line left by a hard kill, and refuses to mix
 outputs of different targets, generation settings or data (recorded in `<output>.meta.json`; each
 differing key is named with both values). A changed selection (`data.max_conversations`,
@@ -18,7 +22,8 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle.config import DataConfig, RegenerateConfig
+from eagle.decode.continuous import ContinuousGenerator, Job, Sampling, slot_attention_enabled
 from eagle.data.records import Conversation
 from eagle.data.template import TemplateFailure, end_of_turn_ids, render
 from eagle.errors import DataError
@@ -83,9 +89,12 @@ def data_identity(data: DataConfig) -> dict[str, Any]:
     return out
 
 
-def _settings(cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("output", "batch_size")}
-    return {"target": target_fingerprint, **keep, **({"data": data} if data is not None else {})}
+def _settings(cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None,
+              dtype: str | None = None) -> dict[str, Any]:
+    # Slots and engine change how answers are computed, not which (up to low-precision numerics).
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("output", "batch_size", "engine")}
+    return {"target": target_fingerprint, **({"dtype": dtype} if dtype else {}), **keep,
+            **({"data": data} if data is not None else {})}
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:
@@ -119,9 +128,56 @@ def _check_meta(path: Path, settings: dict[str, Any]) -> None:
     os.replace(tmp, meta)
 
 
-def _batches(items: list[Conversation], size: int) -> Iterator[list[Conversation]]:
-    for k in range(0, len(items), size):
-        yield items[k:k + size]
+class ConversationJob(Job):
+    """One conversation replayed turn by turn: each assistant turn is replaced by the target's answer
+    to the regenerated history before it. `on_done(record)` is called once, when nothing is left."""
+
+    def __init__(self, conversation: Conversation, tokenizer: Any, cfg: RegenerateConfig,
+                 on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.id = conversation.id
+        self.tokenizer, self.cfg, self.on_done = tokenizer, cfg, on_done
+        self.pending = list(conversation.messages)  # turns still to replay
+        self.history: list[dict[str, str]] = []  # the regenerated conversation so far
+        self.answered = 0
+        self.record: dict[str, Any] | None = None
+
+    def next_prompt(self) -> list[int] | None:
+        while self.pending and self.pending[0]["role"] != "assistant":
+            self.history.append(self.pending.pop(0))
+        ids: list[int] = []
+        if self.pending and self.history and self.history[-1]["role"] == "user" and (
+                self.cfg.max_turns is None or self.answered < self.cfg.max_turns):
+            try:
+                text = render(self.tokenizer, self.history, add_generation_prompt=True)
+                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            except TemplateFailure:
+                ids = []
+            # A longer prompt ends the conversation here: training truncates at data.max_length anyway.
+            ids = ids if len(ids) <= self.cfg.max_prompt_tokens else []
+        if ids:
+            return ids
+        self._finish()
+        return None
+
+    def finish_answer(self, tokens: list[int]) -> None:
+        self.pending.pop(0)  # the original answer is replaced
+        reply = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        if reply:
+            self.history.append({"role": "assistant", "content": reply})
+            self.answered += 1
+        else:
+            self.pending = []  # stop this conversation here; the reader counts it if nothing is left
+
+    def _finish(self) -> None:
+        if self.record is not None:
+            return
+        h = self.history
+        last = max((k for k, m in enumerate(h) if m["role"] == "assistant"), default=None)
+        # A trailing user turn without a reply is no training data. With no reply at all the record
+        # keeps its prompt: its id marks it done for resuming and the reader counts it as skipped.
+        self.record = {"id": self.id, "messages": h[: last + 1] if last is not None else h}
+        if self.on_done is not None:
+            self.on_done(self.record)
 
 
 def _batch_seed(seed: int, batch: list[Conversation]) -> int:
@@ -131,96 +187,89 @@ def _batch_seed(seed: int, batch: list[Conversation]) -> int:
 
 
 @torch.no_grad()
-def generate_replies(model: Any, tokenizer: Any, histories: list[list[dict[str, str]]], cfg: RegenerateConfig,
-                     stop_ids: list[int]) -> list[str]:
-    """One assistant answer per history (which ends with a user turn), by left-padded batched `generate`."""
-    prompts = [render(tokenizer, h, add_generation_prompt=True) for h in histories]
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation appends on the right: prompts must end together
-    try:
-        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-    finally:
-        tokenizer.padding_side = side
+def generate_replies(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: RegenerateConfig,
+                     stop_ids: list[int]) -> list[list[int]]:
+    """Answer tokens (stop token excluded) per prompt, by one left-padded batched `generate` call."""
     device = next(model.parameters()).device
-    input_ids = enc["input_ids"].to(device)  # [B, T]
-    attention_mask = enc["attention_mask"].to(device)  # [B, T]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    # Generation appends on the right, so prompts are left-padded to end together.
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sample = cfg.temperature > 0
     kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens,
-                                  eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+                                  eos_token_id=stop_ids, pad_token_id=pad)
     if sample:
         kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)  # [B, T + new]
-    replies = []
     stops = set(stop_ids)
-    for row in out[:, input_ids.shape[1]:].tolist():
-        cut = next((k for k, t in enumerate(row) if t in stops), len(row))  # answer ends before the stop token
-        replies.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-    return replies
-
-
-def _prompt_tokens(tokenizer: Any, history: list[dict[str, str]]) -> int:
-    try:
-        text = render(tokenizer, history, add_generation_prompt=True)
-    except TemplateFailure:
-        return 0  # the generation call reports template failures itself
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    answers = []
+    for row in out[:, width:].tolist():
+        answers.append(row[: next((k for k, t in enumerate(row) if t in stops), len(row))])
+    return answers
 
 
 def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg: RegenerateConfig,
                      stop_ids: list[int]) -> list[dict[str, Any]]:
-    """Regenerated records for a batch: one round per assistant turn index. A conversation whose
-    answer comes back empty (or whose prompt the template rejects) ends before that turn."""
-    # Per conversation: the turns still to replay, and the regenerated history so far.
-    pending = [list(c.messages) for c in batch]
-    history: list[list[dict[str, str]]] = [[] for _ in batch]
-    active = list(range(len(batch)))
-    answered = [0] * len(batch)
-    while active:
-        ask = []
-        for b in active:
-            # Move the non-assistant turns up to the next assistant turn into the history.
-            while pending[b] and pending[b][0]["role"] != "assistant":
-                history[b].append(pending[b].pop(0))
-            if cfg.max_turns is not None and answered[b] >= cfg.max_turns:
-                pending[b] = []
-            elif pending[b] and _prompt_tokens(tokenizer, history[b]) > cfg.max_prompt_tokens:
-                pending[b] = []  # too long to be worth a batch slot; training would truncate it
-            if pending[b] and history[b] and history[b][-1]["role"] == "user":
-                ask.append(b)
-        if not ask:
+    """`regenerate.engine=generate`: a batch of conversations advances one assistant turn per round
+    with left-padded `generate` calls. Records in the batch's order."""
+    jobs = [ConversationJob(c, tokenizer, cfg) for c in batch]
+    asking = [(j, p) for j in jobs if (p := j.next_prompt()) is not None]
+    while asking:
+        answers = generate_replies(model, tokenizer, [p for _, p in asking], cfg, stop_ids)
+        for (job, _), answer in zip(asking, answers, strict=True):
+            job.finish_answer(answer)
+        asking = [(j, p) for j, _ in asking if (p := j.next_prompt()) is not None]
+    return [j.record for j in jobs]
+
+
+def _continuous(model: Any, tokenizer: Any, todo: list[Conversation], cfg: RegenerateConfig, stop_ids: list[int],
+                write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None:
+    """`regenerate.engine=continuous`: conversations sorted by first-prompt length (slots that run
+    together attend over similar lengths), each record written as soon as it is done."""
+    def on_done(record: dict[str, Any]) -> None:
+        write([record])
+
+    jobs = [ConversationJob(c, tokenizer, cfg, on_done) for c in todo]
+    firsts = {j.id: len(_first_prompt(tokenizer, c)) for j, c in zip(jobs, todo)}
+    jobs.sort(key=lambda j: firsts[j.id])
+    sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    engine = ContinuousGenerator(model, cfg.batch_size, cfg.max_prompt_tokens + cfg.max_new_tokens, stop_ids,
+                                 sampling)
+    start = time.perf_counter()
+
+    def progress(e: ContinuousGenerator) -> None:
+        if e.forwards % 16 == 0:
+            bar.set_postfix_str(f"{e.generated_tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+
+    with slot_attention_enabled(model):
+        engine.run(iter(jobs), on_step=progress)
+
+
+def _first_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
+    turns = []
+    for m in conversation.messages:
+        turns.append(m)
+        if m["role"] == "user":
             break
-        try:
-            replies = generate_replies(model, tokenizer, [history[b] for b in ask], cfg, stop_ids)
-        except TemplateFailure:
-            replies = [""] * len(ask)
-        for b, reply in zip(ask, replies, strict=True):
-            pending[b].pop(0)  # the original answer is replaced
-            if reply:
-                history[b].append({"role": "assistant", "content": reply})
-                answered[b] += 1
-            else:
-                pending[b] = []  # stop this conversation here; the reader counts it if nothing is left
-        active = [b for b in ask if pending[b]]
-    records = []
-    for c, h in zip(batch, history, strict=True):
-        last = max((k for k, m in enumerate(h) if m["role"] == "assistant"), default=None)
-        # A trailing user turn without a reply is no training data. With no reply at all the record
-        # keeps its prompt: its id marks it done for resuming and the reader counts it as skipped.
-        records.append({"id": c.id, "messages": h[: last + 1] if last is not None else h})
-    return records
+    try:
+        return list(tokenizer(render(tokenizer, turns, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    except TemplateFailure:
+        return []
 
 
 def regenerate(model: Any, tokenizer: Any, conversations: list[Conversation], cfg: RegenerateConfig,
                output: Path, target_fingerprint: str = "", progress: bool = True,
-               data: DataConfig | None = None) -> Path:
+               data: DataConfig | None = None, dtype: str | None = None) -> Path:
     """Regenerate `conversations` into `output` (JSONL), resuming from what it already holds.
 
     `data` (the settings `conversations` were read with) is recorded too, so a resume on other data
     is refused rather than appended."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(output, _settings(cfg, target_fingerprint, data_identity(data) if data is not None else None))
+    _check_meta(output, _settings(cfg, target_fingerprint, data_identity(data) if data is not None else None, dtype))
     done = recover_output(output)
     todo = [c for c in conversations if c.id not in done]
     stop_ids = end_of_turn_ids(tokenizer)
@@ -229,13 +278,20 @@ def regenerate(model: Any, tokenizer: Any, conversations: list[Conversation], cf
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate",
                unit="conv", disable=not progress)
     with open(output, "a", encoding="utf-8") as f:
-        for batch in _batches(todo, cfg.batch_size):
-            torch.manual_seed(_batch_seed(cfg.seed, batch))
-            records = regenerate_batch(model, tokenizer, batch, cfg, stop_ids)
+        def write(records: list[dict[str, Any]]) -> None:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
-            bar.update(len(batch))
+            bar.update(len(records))
+
+        with torch.no_grad():
+            if cfg.engine == "continuous":
+                _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar)
+            else:
+                for k in range(0, len(todo), cfg.batch_size):
+                    batch = todo[k:k + cfg.batch_size]
+                    torch.manual_seed(_batch_seed(cfg.seed, batch))
+                    write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids))
     bar.close()
     model.train(was_training)
     return output
