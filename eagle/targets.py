@@ -257,3 +257,15 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
         raise ValueError(f"EAGLE-3 needs a target with at least 3 layers, got {num_layers}")
     # Small test models: three distinct layers spread over what exists.
     return [1, num_layers // 2, num_layers - 1]
+
+
+def aux_layer_problem(aux_layer_ids: list[int], num_layers: int) -> str | None:
+    """Why `aux_layer_ids` are not EAGLE-3 feature layers of an L-layer target (None if they are).
+
+    The one rule, used by config, capture and head loading alike: three ids, each the input of an
+    existing decoder layer (0 <= i < L, the convention of `default_aux_layer_ids`).
+    """
+    ids = [int(i) for i in aux_layer_ids]
+    if len(ids) == 3 and all(0 <= i < num_layers for i in ids):
+        return None
+    return f"draft.aux_layer_ids={ids} must be 3 layer ids in [0, {num_layers - 1}] for this {num_layers}-layer target"

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---|")
     for row in rows:
         same = ""
-        if padded is not None and cfg.regenerate.temperature == 0 and row is not base:
+        if padded is not None and cfg.regenerate.temperature == 0 and row is not base and row is not padded:
             common = [i for i in row["answers"] if i in padded["answers"]]
             same = f"{sum(row['answers'][i] == padded['answers'][i] for i in common)}/{len(common)}"
         print(f"| {row['mode']} | {row['conversations']} | {row['conv_per_min']:.1f} | {row['tok_per_s']:.1f} | "

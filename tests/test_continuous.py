@@ -9,8 +9,15 @@ import torch.nn.functional as F
 from eagle.config import RegenerateConfig
 from eagle.data.regenerate import ConversationJob, regenerate_batch
 from eagle.data.template import end_of_turn_ids
-from eagle.decode.continuous import (ContinuousGenerator, Job, Sampling, SlotBatch, SlotKV, slot_attention,
-                                     slot_attention_enabled)
+from eagle.decode.continuous import (
+    ContinuousGenerator,
+    Job,
+    Sampling,
+    SlotBatch,
+    SlotKV,
+    slot_attention,
+    slot_attention_enabled,
+)
 from eagle.errors import TargetError
 from tests.test_regenerate import CONVS
 from tests.tiny_models import FAMILIES, make_model
@@ -118,7 +125,7 @@ def test_logits_equal_a_full_forward_past_the_sliding_window(family):
         got = [engine._forward([1], [seq[:100]], [0])]
         for k in range(100, 103):
             got.append(engine._forward([0, 1], [[seq[0]], [seq[k]]], [37, k])[1:])
-    for k, logits in zip(range(100, 104), got):
+    for k, logits in zip(range(100, 104), got, strict=True):
         want = model(torch.tensor([seq[:k]])).logits[0, -1]
         torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)
 

@@ -185,3 +185,27 @@ def test_bundled_smollm2_conversion_is_a_dense_checkpoint_equal_to_the_gguf(smol
     for k, v in saved.items():
         assert v.dtype == torch.float32, k
         assert torch.equal(v, ref_sd[k]), k
+
+
+def test_aux_layer_ids_have_one_valid_range_everywhere():
+    """Config, capture and head loading refuse the same ids: each must be the input of a decoder layer."""
+    from eagle.capture.features import check_layer_ids
+    from eagle.config import ConfigError, DraftConfig
+    from eagle.errors import CaptureError, CheckpointError
+    from eagle.heads.io import check_head_fits_target, head_config_from_target
+    from eagle.targets import aux_layer_problem
+    from tests.tiny_models import make_model
+
+    assert aux_layer_problem([0, 2, 3], 4) is None
+    for bad in ([0, 2, 4], [-1, 1, 2], [1, 2]):
+        assert "must be 3 layer ids in [0, 3]" in aux_layer_problem(bad, 4)
+        with pytest.raises(CaptureError, match=r"\[0, 3\]"):
+            check_layer_ids(bad, 4)
+    model, _ = make_model("llama")  # 4 layers
+    with pytest.raises(ConfigError, match=r"\[0, 3\]"):
+        head_config_from_target(model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 4], draft_vocab_size=None))
+    head_cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=None))
+    check_head_fits_target(head_cfg, model)
+    head_cfg.aux_layer_ids = [1, 2, 4]  # e.g. a head written by an older eagle that allowed id L
+    with pytest.raises(CheckpointError, match=r"outside the target's \[0, 3\]"):
+        check_head_fits_target(head_cfg, model)

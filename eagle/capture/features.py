@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from eagle.errors import CaptureError
+from eagle.targets import aux_layer_problem
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -35,12 +36,9 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 def check_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
     """Refuse layer ids outside the target; they would silently index the wrong hidden state."""
-    bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_layers]
-    if len(aux_layer_ids) != 3 or bad:
-        raise CaptureError(
-            f"draft.aux_layer_ids={list(aux_layer_ids)} must be 3 layer ids in [0, {num_layers - 1}] "
-            f"for this {num_layers}-layer target (or null for the default)"
-        )
+    problem = aux_layer_problem(aux_layer_ids, num_layers)
+    if problem:
+        raise CaptureError(f"{problem} (or null for the default)")
 
 
 def extract_features(

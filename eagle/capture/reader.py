@@ -211,11 +211,6 @@ class ShardShuffleSampler(Sampler[int]):
         self.world_size = world_size
         self.epoch = 0
 
-    @classmethod
-    def for_dataset(cls, dataset: CaptureDataset, **kw: Any) -> ShardShuffleSampler:
-        kw.setdefault("seed", dataset.seed)
-        return cls(dataset.shard_sizes, **kw)
-
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 

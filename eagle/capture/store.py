@@ -26,6 +26,7 @@ import torch
 
 from eagle.errors import CaptureError
 from eagle.fileio import file_sha256, fsync_dir, temp_path
+from eagle.precision import DTYPES as STORAGE_DTYPES
 
 FORMAT = "eagle-capture"
 FORMAT_VERSION = 1
@@ -33,7 +34,6 @@ MANIFEST = "manifest.json"
 SHARD_METADATA_KEY = "eagle_capture"
 RANK_MANIFEST = "manifest.rank{rank}.json"
 SPLITS = ("train", "heldout")
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields of the manifest that make two captures the same capture; any difference refuses a resume.
 IDENTITY_FIELDS = (

@@ -32,9 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle.config import DataConfig, RegenerateConfig
-from eagle.decode.continuous import ContinuousGenerator, Job, Sampling, slot_attention_enabled
 from eagle.data.records import Conversation
 from eagle.data.template import TemplateFailure, end_of_turn_ids, render
+from eagle.decode.continuous import ContinuousGenerator, Job, Sampling, slot_attention_enabled
 from eagle.errors import DataError
 
 
@@ -233,7 +233,7 @@ def _continuous(model: Any, tokenizer: Any, todo: list[Conversation], cfg: Regen
         write([record])
 
     jobs = [ConversationJob(c, tokenizer, cfg, on_done) for c in todo]
-    firsts = {j.id: len(_first_prompt(tokenizer, c)) for j, c in zip(jobs, todo)}
+    firsts = {j.id: len(_first_prompt(tokenizer, c)) for j, c in zip(jobs, todo, strict=True)}
     jobs.sort(key=lambda j: firsts[j.id])
     sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)

@@ -179,7 +179,7 @@ class _Slot:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -216,7 +216,7 @@ class ContinuousGenerator:
         if s.temperature <= 0:
             return logits.argmax(-1).tolist()
         probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [R, V]
-        return [int(torch.multinomial(p, 1, generator=slot.generator)) for p, slot in zip(probs, slots)]
+        return [int(torch.multinomial(p, 1, generator=slot.generator)) for p, slot in zip(probs, slots, strict=True)]
 
     def _start_turn(self, slot: _Slot) -> bool:
         """Load the job's next prompt into the slot; False when the job is over."""

@@ -165,11 +165,6 @@ def compile_static_tree(paths: list[list[int]]) -> StaticTree:
     return StaticTree(parents=parents, ranks=ranks, depths=depths)
 
 
-def chain_paths(depth: int) -> list[list[int]]:
-    """A single chain of top-1 drafts (classic speculative decoding) as static paths."""
-    return [[0] * d for d in range(1, depth + 1)]
-
-
 # --- dynamic selection (EAGLE-2) ---------------------------------------------------------------------
 
 

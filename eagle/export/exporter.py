@@ -33,10 +33,10 @@ from eagle.export.formats import (
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.resolve import resolve_draft
+from eagle.precision import DTYPES as _DTYPES
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files an earlier export into the same folder may have left; removed so formats never mix.
 _HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin", CONFIG_FILE, HEAD_CONFIG_FILE)
 

@@ -32,8 +32,8 @@ from eagle.export.formats import (
     to_format_name,
 )
 from eagle.heads.base import HeadConfig
+from eagle.precision import DTYPES as _DTYPES
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tensors a third-party folder may carry that our heads take from the target instead.
 _BORROWED = ("embed_tokens.weight", "lm_head.weight")
 

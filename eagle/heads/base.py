@@ -117,13 +117,6 @@ class DraftHead(nn.Module, ABC):
             return draft_ids
         return draft_ids + d2t[draft_ids]
 
-    def target_to_draft_logits(self, target_logits: torch.Tensor) -> torch.Tensor:
-        """[..., V] target logits -> [..., V_draft] restricted to the draft vocabulary."""
-        t2d = getattr(self, "t2d", None)
-        if t2d is None:
-            return target_logits
-        return target_logits[..., t2d]
-
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own weights (and vocab maps), without anything borrowed from the target."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}

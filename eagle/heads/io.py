@@ -25,7 +25,7 @@ from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.eagle1 import Eagle1Head
 from eagle.heads.eagle3 import Eagle3Head
 from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
-from eagle.targets import TargetInfo, default_aux_layer_ids, text_config
+from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,8 @@ def head_config_from_target(
                 raise ConfigError(f"draft.algorithm=eagle3: {e}") from e
         else:
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
-            if len(aux) != 3 or any(not 0 <= i <= layers for i in aux):
-                raise ConfigError(f"draft.aux_layer_ids={aux} must be 3 layer ids in [0, {layers}] "
-                                  f"(the target has {layers} layers)")
+            if problem := aux_layer_problem(aux, layers):
+                raise ConfigError(problem)
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     return HeadConfig(
         algorithm=algo,
@@ -268,9 +267,8 @@ def check_head_fits_target(head_cfg: HeadConfig, target: Any, strict_fingerprint
         problems.append(f"hidden size {head_cfg.target_hidden_size} vs the target's {hidden}")
     if head_cfg.vocab_size != vocab:
         problems.append(f"vocabulary {head_cfg.vocab_size} vs the target's {vocab}")
-    bad_aux = [i for i in head_cfg.aux_layer_ids if not 0 <= i <= layers]
-    if bad_aux:
-        problems.append(f"aux layers {bad_aux} outside the target's [0, {layers}]")
+    if head_cfg.aux_layer_ids and aux_layer_problem(head_cfg.aux_layer_ids, layers):
+        problems.append(f"aux layers {head_cfg.aux_layer_ids} outside the target's [0, {layers - 1}]")
     if head_cfg.target_model_type and model_type and head_cfg.target_model_type != model_type:
         problems.append(f"model type {head_cfg.target_model_type!r} vs the target's {model_type!r}")
     if problems:
