@@ -269,3 +269,18 @@ def aux_layer_problem(aux_layer_ids: list[int], num_layers: int) -> str | None:
     if len(ids) == 3 and all(0 <= i < num_layers for i in ids):
         return None
     return f"draft.aux_layer_ids={ids} must be 3 layer ids in [0, {num_layers - 1}] for this {num_layers}-layer target"
+
+
+def config_token_ids(names: tuple[str, ...], *sources: Any) -> list[int]:
+    """Token ids named `names` (e.g. "eos_token_id") on each source in order (a tokenizer, a model's
+    config or generation_config; a value may be a list, as chat models list several EOS ids),
+    without repeats, in first-seen order. The one reader of such ids for stopping, baselines and
+    the draft vocabulary."""
+    ids: list[int] = []
+    for source in sources:
+        for name in names:
+            value = getattr(source, name, None) if source is not None else None
+            for v in value if isinstance(value, (list, tuple)) else ([] if value is None else [value]):
+                if int(v) not in ids:
+                    ids.append(int(v))
+    return ids

@@ -209,3 +209,15 @@ def test_aux_layer_ids_have_one_valid_range_everywhere():
     head_cfg.aux_layer_ids = [1, 2, 4]  # e.g. a head written by an older eagle that allowed id L
     with pytest.raises(CheckpointError, match=r"outside the target's \[0, 3\]"):
         check_head_fits_target(head_cfg, model)
+
+
+def test_config_token_ids_reads_lists_in_order_without_repeats():
+    from types import SimpleNamespace
+
+    from eagle.targets import config_token_ids
+
+    gen = SimpleNamespace(eos_token_id=[7, 2], bos_token_id=1)
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=None)
+    assert config_token_ids(("eos_token_id",), gen, tok) == [7, 2]
+    assert config_token_ids(("eos_token_id", "bos_token_id", "pad_token_id"), tok, None, gen) == [2, 7, 1]
+    assert config_token_ids(("eos_token_id",), None) == []

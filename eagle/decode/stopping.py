@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle.targets import config_token_ids
+
 
 def eos_ids(tokenizer: Any, model: Any | None = None) -> set[int]:
     """EOS ids from the tokenizer and the model's generation_config (which may list several)."""
-    ids: set[int] = set()
-    for value in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-    ):
-        if value is None:
-            continue
-        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return ids
+    return set(config_token_ids(("eos_token_id",), tokenizer, getattr(model, "generation_config", None)))
 
 
 class StopChecker:

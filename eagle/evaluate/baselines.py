@@ -18,6 +18,7 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.errors import TargetError
+from eagle.targets import config_token_ids
 
 
 @dataclass
@@ -46,15 +47,7 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """End-of-sequence ids: the model's generation config first (chat models list several), then the tokenizer's."""
-    ids: list[int] = []
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (gen_eos, tokenizer.eos_token_id):
-        if value is None:
-            continue
-        for i in value if isinstance(value, (list, tuple)) else [value]:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
+    return config_token_ids(("eos_token_id",), getattr(model, "generation_config", None), tokenizer)
 
 
 def hf_generate_kwargs(model: Any, tokenizer: Any, decode: DecodeConfig) -> dict[str, Any]:

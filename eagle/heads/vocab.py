@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from eagle.targets import config_token_ids
+
 
 def count_tokens(token_ids: torch.Tensor, loss_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Occurrences [V] (int64) of each id in `token_ids` [...] where `loss_mask` [...] is nonzero."""
@@ -79,13 +81,6 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
 
 def special_token_ids(target_model: object) -> list[int]:
     """eos / bos / pad ids from a target's config and generation config (any may be a list)."""
-    ids: set[int] = set()
-    for cfg in (getattr(target_model, "config", None), getattr(target_model, "generation_config", None)):
-        if cfg is None:
-            continue
-        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            value = getattr(cfg, name, None)
-            if value is None:
-                continue
-            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return sorted(ids)
+    return sorted(config_token_ids(("eos_token_id", "bos_token_id", "pad_token_id"),
+                                   getattr(target_model, "config", None),
+                                   getattr(target_model, "generation_config", None)))
