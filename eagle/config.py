@@ -59,7 +59,7 @@ class DataConfig:
 class RegenerateConfig:
     output: str | None = None  # default: <output_dir>/regenerated.jsonl
     # continuous: every slot stays busy (a finished conversation's slot takes the next one at once),
-    # 1.8x the tokens/s of `generate` on a padded batch of 32 (scripts/bench_regenerate.py).
+    # 1.54x the tokens/s of `generate` on a padded batch of 32 (scripts/bench_regenerate.py, bf16).
     # generate: left-padded HF `generate` per batch, for targets whose attention the continuous
     # engine cannot run (attention sinks).
     engine: str = "continuous"

@@ -114,7 +114,7 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
 
     from eagle.decode.cache import crop_cache
     from eagle.decode.target import layer_windows, new_cache, target_forward
-    from eagle.heads.resolve import load_draft
+    from eagle.export import load_draft
     from eagle.targets import load_target
 
     target, _, _ = load_target(cfg.target, stage="decode")

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random targets of several families, and the bundled SmolLM2 when installed."""
+"""Shared fixtures: tiny random targets of several families, a training workspace, and the bundled
+SmolLM2 when installed. Shared helpers (not fixtures) are in tests/support/."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import torch
 
 from eagle.assets import has_asset
 from tests.tiny_models import FAMILIES, make_model, save_model
+
+# Helpers shared by test modules live in tests/support/ (imported after this conftest): pytest
+# rewrites their asserts as it does those of test modules, so failures show the compared values.
+pytest.register_assert_rewrite("tests.support")
 
 # Two cores: more threads than cores only adds contention in the test processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -52,6 +57,21 @@ def tiny_target(family):
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A tiny Llama-family target saved as an HF checkpoint folder (for CLI and subprocess tests)."""
     return save_model("llama", tmp_path_factory.mktemp("targets") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2():
+    """(model, tokenizer) of a tiny random Qwen2 target, one per module."""
+    return make_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def ws3(tmp_path_factory):
+    """A training workspace (tests.support.train.Workspace), one per module: a tiny Llama target,
+    24 short conversations and an EAGLE-3 capture of them."""
+    from tests.support.train import Workspace
+
+    return Workspace(tmp_path_factory.mktemp("ws3"), "llama", "eagle3")
 
 
 @pytest.fixture(scope="session")

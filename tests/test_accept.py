@@ -20,7 +20,7 @@ from eagle.decode.accept import (
 )
 from eagle.decode.generator import SpeculativeGenerator
 from eagle.decode.tree import retrieval_paths
-from tests.test_decode_helpers import random_head
+from tests.support.decode import random_head
 
 # Tiny models are latency-bound: one torch thread (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

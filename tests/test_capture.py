@@ -4,44 +4,18 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 
 from eagle.capture.features import extract_features
 from eagle.capture.reader import CaptureDataset, ShardShuffleSampler, check_compatible, collate
-from eagle.capture.runner import capture_splits, estimate_bytes, length_sorted_batches, pad_batch
+from eagle.capture.runner import estimate_bytes, length_sorted_batches, pad_batch
 from eagle.capture.store import MANIFEST, read_manifest, shard_file
-from eagle.config import CaptureConfig
 from eagle.errors import CaptureError
-from eagle.targets import TargetInfo
+from tests.support.capture import capture, info_for, make_convs
 from tests.tiny_models import make_model
-
-
-@dataclass
-class Conv:  # stand-in with the fields capture reads from eagle.data.TokenizedConversation
-    id: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    truncated: bool = False
-
-
-def make_convs(n: int, seed: int = 0, vocab: int = 300, prefix: str = "c") -> list[Conv]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        t = rng.randint(3, 40)
-        out.append(Conv(f"{prefix}{i}", [rng.randrange(vocab) for _ in range(t)], [rng.randint(0, 1) for _ in range(t)]))
-    return out
-
-
-def info_for(model, fingerprint: str = "tiny-llama-0") -> TargetInfo:
-    c = model.config
-    return TargetInfo("tiny", "tiny", fingerprint, c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size)
-
-
-DATA = {"fingerprint": "data-0", "config": {"source": "test"}}
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +27,6 @@ def llama():
 @pytest.fixture(scope="module")
 def splits():
     return {"train": make_convs(11, seed=1), "heldout": make_convs(3, seed=2, prefix="h")}
-
-
-def capture(model, splits, out, algorithm="eagle3", aux=None, fingerprint="tiny-llama-0", data=DATA, **cap):
-    cfg = CaptureConfig(**{"shard_size": 4, "batch_tokens": 64, **cap})
-    return capture_splits(model, info_for(model, fingerprint), splits, out, cfg, algorithm, aux, data, progress=False,
-                          log=lambda s: None)
 
 
 # --- features -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from eagle.decode.continuous import (
     slot_attention_enabled,
 )
 from eagle.errors import TargetError
-from tests.test_regenerate import CONVS
+from tests.support.data import CONVS
 from tests.tiny_models import FAMILIES, make_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,7 +10,7 @@ import torch
 
 from eagle.decode import SpeculativeGenerator, autoregressive_generate, choose_tree_size, expected_tokens
 from eagle.errors import EagleError
-from tests.test_decode_helpers import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
+from tests.support.decode import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.tiny_models import make_model
 
 # Tiny models are latency-bound: one torch thread (see tests/conftest.py).

@@ -13,7 +13,7 @@ import torch
 from eagle.decode import SpeculativeGenerator
 from eagle.evaluate.divergence import divergence_at, summarize
 from eagle.evaluate.runner import first_mismatch
-from tests.test_decode_helpers import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
+from tests.support.decode import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.tiny_models import _CORPUS, make_model
 
 LIMIT = 0.5  # the eval.divergence_margin_limit default
@@ -40,7 +40,7 @@ def _divergences(model32, model16, tok, head_for, prompts, n=N) -> list[dict | N
 def smol_pair(smollm2):
     """SmolLM2 in float32 and bfloat16 (tiny random models compute bf16 identically for every chunk
     size on this CPU's kernels: only a real model's widths show the flips), and a draft head."""
-    from eagle.heads.resolve import load_draft
+    from eagle.export import load_draft
 
     model32, tok, _ = smollm2
     model16 = copy.deepcopy(model32).to(torch.bfloat16)

@@ -11,7 +11,8 @@ import torch
 
 from eagle.cli.app import compose
 from eagle.errors import CaptureError, TrainingError
-from tests.test_train import base_overrides, train_overrides, write_conversations
+from tests.support.data import write_conversations
+from tests.support.train import base_overrides, train_overrides
 from tests.tiny_models import make_model
 
 

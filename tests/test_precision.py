@@ -48,7 +48,7 @@ def test_eval_loads_target_and_head_in_the_resolved_dtype(tiny_target_dir, flags
     from eagle.config import DecodeConfig, TargetConfig
     from eagle.decode import SpeculativeGenerator
     from eagle.targets import load_target
-    from tests.test_decode_helpers import random_head
+    from tests.support.decode import random_head
 
     flags("avx512_bf16")
     model, tok, info = load_target(TargetConfig(path=str(tiny_target_dir)), stage="decode")

@@ -8,30 +8,17 @@ import pytest
 
 from eagle.config import DataConfig, RegenerateConfig
 from eagle.data.dataset import load_conversations
-from eagle.data.records import Conversation
 from eagle.data.regenerate import recover_output, regenerate, regenerate_batch
 from eagle.data.template import end_of_turn_ids
 from eagle.errors import DataError
-from tests.tiny_models import make_model
+from tests.support.data import CONVS
 
-CONVS = [
-    Conversation("a", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello!"},
-                       {"role": "assistant", "content": "ORIGINAL"}, {"role": "user", "content": "Write a poem"},
-                       {"role": "assistant", "content": "ORIGINAL"}]),
-    Conversation("b", [{"role": "user", "content": "The quick brown fox"}, {"role": "assistant", "content": "ORIGINAL"}]),
-    Conversation("c", [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "ORIGINAL"}]),
-]
 CFG = RegenerateConfig(batch_size=2, max_new_tokens=6)
 ENGINES = ("continuous", "generate")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return make_model("qwen2")
-
-
-def test_turn_by_turn_replies_feed_the_regenerated_history(tiny, monkeypatch):
-    model, tok = tiny
+def test_turn_by_turn_replies_feed_the_regenerated_history(tiny_qwen2, monkeypatch):
+    model, tok = tiny_qwen2
     from eagle.data import regenerate as mod
 
     seen = []
@@ -56,8 +43,8 @@ def test_turn_by_turn_replies_feed_the_regenerated_history(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_output_resume_and_torn_line(tiny, tmp_path, engine):
-    model, tok = tiny
+def test_output_resume_and_torn_line(tiny_qwen2, tmp_path, engine):
+    model, tok = tiny_qwen2
     cfg = RegenerateConfig(batch_size=2, max_new_tokens=6, engine=engine)
     out = tmp_path / "regen.jsonl"
     regenerate(model, tok, CONVS, cfg, out, target_fingerprint="t", progress=False)
@@ -83,8 +70,8 @@ def test_output_resume_and_torn_line(tiny, tmp_path, engine):
     assert all(c.messages == by_id[c.id] for c in convs)
 
 
-def test_resume_refuses_other_settings_and_corrupt_files(tiny, tmp_path):
-    model, tok = tiny
+def test_resume_refuses_other_settings_and_corrupt_files(tiny_qwen2, tmp_path):
+    model, tok = tiny_qwen2
     out = tmp_path / "regen.jsonl"
     regenerate(model, tok, CONVS[:1], CFG, out, target_fingerprint="t", progress=False)
     with pytest.raises(DataError, match="different settings"):
@@ -98,8 +85,8 @@ def test_resume_refuses_other_settings_and_corrupt_files(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_sampling_is_seeded(tiny, tmp_path, engine):
-    model, tok = tiny
+def test_sampling_is_seeded(tiny_qwen2, tmp_path, engine):
+    model, tok = tiny_qwen2
     cfg = RegenerateConfig(batch_size=3, max_new_tokens=6, temperature=1.0, top_k=50, seed=3, engine=engine)
     outs = []
     for k in range(2):
@@ -110,8 +97,8 @@ def test_sampling_is_seeded(tiny, tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny, tmp_path, monkeypatch, engine):
-    model, tok = tiny
+def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny_qwen2, tmp_path, monkeypatch, engine):
+    model, tok = tiny_qwen2
     from eagle.data import regenerate as mod
     from eagle.decode.continuous import ContinuousGenerator
 

@@ -13,12 +13,10 @@ from eagle.cli.app import compose
 from eagle.errors import CaptureError, CheckpointError, DataError
 from eagle.train.resume import RUN_CONFIG, compare, follow_schedule, run_record
 from eagle.train.schedule import build_optimizer, build_scheduler, lr_factor
-from tests.test_train import Workspace, assert_same_optimizer_state, assert_same_weights, final_head
-
-
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("resume"), "llama", "eagle3")
+from tests.support.capture import capture, make_convs
+from tests.support.data import CONVS
+from tests.support.train import assert_same_optimizer_state, assert_same_weights, final_head
+from tests.tiny_models import make_model
 
 
 # --------------------------------------------------------------------------------------- classification
@@ -109,15 +107,15 @@ def test_follow_schedule_applies_a_new_max_steps_from_the_next_update():
 
 
 # --------------------------------------------------------------------------------------- training
-def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws, tmp_path):
+def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws3, tmp_path):
     from eagle.train.trainer import train
 
     out = tmp_path / "o"
-    train(ws.cfg(out, steps=2))
+    train(ws3.cfg(out, steps=2))
     record = json.loads((out / "checkpoints" / "step-0000002" / RUN_CONFIG).read_text())
     assert record["config"]["train.lr"] == 3e-3
     with pytest.raises(CheckpointError) as e:
-        train(ws.cfg(out, steps=4, train__lr=1e-3, train__ttt_steps=2))
+        train(ws3.cfg(out, steps=4, train__lr=1e-3, train__ttt_steps=2))
     message = str(e.value)
     assert "train.lr: 0.003 -> 0.001" in message and "train.ttt_steps: 3 -> 2" in message
     assert "train.max_steps" not in message  # allowed: not among the refused keys
@@ -125,16 +123,16 @@ def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws, tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]  # nothing trained or written
 
 
-def test_raised_max_steps_continues_bit_exactly(ws, tmp_path, capsys):
+def test_raised_max_steps_continues_bit_exactly(ws3, tmp_path, capsys):
     """2 steps, then resumed to 4 with another eval cadence == 4 steps straight (constant schedule, so
     max_steps does not shape the lr); the allowed changes are logged."""
     from eagle.train.trainer import train
 
     const = {"train__schedule": "constant"}
-    straight = train(ws.cfg(tmp_path / "a", steps=4, **const))
-    train(ws.cfg(tmp_path / "b", steps=2, **const))
+    straight = train(ws3.cfg(tmp_path / "a", steps=4, **const))
+    train(ws3.cfg(tmp_path / "b", steps=2, **const))
     capsys.readouterr()
-    resumed = train(ws.cfg(tmp_path / "b", steps=4, train__eval_every=2, **const))
+    resumed = train(ws3.cfg(tmp_path / "b", steps=4, train__eval_every=2, **const))
     log = capsys.readouterr().out
     assert "train.max_steps: 2 -> 4" in log and "train.eval_every: 3 -> 2" in log
     assert resumed.step == straight.step == 4
@@ -142,33 +140,30 @@ def test_raised_max_steps_continues_bit_exactly(ws, tmp_path, capsys):
     assert_same_optimizer_state(tmp_path / "a", tmp_path / "b", 4)
 
 
-def test_raised_max_steps_with_cosine_says_what_changes(ws, tmp_path, capsys):
+def test_raised_max_steps_with_cosine_says_what_changes(ws3, tmp_path, capsys):
     from eagle.train.trainer import train
 
-    train(ws.cfg(tmp_path / "o", steps=2))
+    train(ws3.cfg(tmp_path / "o", steps=2))
     capsys.readouterr()
-    result = train(ws.cfg(tmp_path / "o", steps=3))
+    result = train(ws3.cfg(tmp_path / "o", steps=3))
     assert result.step == 3
     log = capsys.readouterr().out
     assert "the cosine schedule now decays to step 3: updates 3.. follow it, updates 1..2 ran under the old one" in log
 
 
-def test_checkpoint_of_an_older_eagle_resumes_with_a_note(ws, tmp_path, capsys):
+def test_checkpoint_of_an_older_eagle_resumes_with_a_note(ws3, tmp_path, capsys):
     from eagle.train.trainer import train
 
     out = tmp_path / "o"
-    train(ws.cfg(out, steps=2))
+    train(ws3.cfg(out, steps=2))
     (out / "checkpoints" / "step-0000002" / RUN_CONFIG).unlink()
     capsys.readouterr()
-    assert train(ws.cfg(out, steps=3, train__lr=1e-3)).step == 3
+    assert train(ws3.cfg(out, steps=3, train__lr=1e-3)).step == 3
     assert f"records no {RUN_CONFIG}" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------- capture
 def test_capture_refusal_names_every_differing_key(tmp_path):
-    from tests.test_capture import capture, make_convs
-    from tests.tiny_models import make_model
-
     model, _ = make_model("llama")
     small = {"train": make_convs(3), "heldout": []}
     data = {"fingerprint": "d" * 64, "config": {"max_conversations": 3, "path": "a.jsonl"}}
@@ -184,19 +179,11 @@ def test_capture_refusal_names_every_differing_key(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- regeneration
-@pytest.fixture(scope="module")
-def tiny():
-    from tests.tiny_models import make_model
-
-    return make_model("qwen2")
-
-
-def test_regeneration_resume_names_keys_and_checks_the_data(tiny, tmp_path, capsys):
+def test_regeneration_resume_names_keys_and_checks_the_data(tiny_qwen2, tmp_path, capsys):
     from eagle.config import DataConfig, RegenerateConfig
     from eagle.data.regenerate import regenerate
-    from tests.test_regenerate import CONVS
 
-    model, tok = tiny
+    model, tok = tiny_qwen2
     cfg = RegenerateConfig(batch_size=2, max_new_tokens=4)
     out = tmp_path / "regen.jsonl"
     data = DataConfig(source="local", path=str(tmp_path / "in.jsonl"), max_conversations=1)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from eagle.sweep import build_summary, collect_records, job_dir_name, objective, summary_markdown, swept_keys
-from tests.test_train import Workspace, head_weights, train_overrides
-from tests.test_train_cli import _env
-
-BIN = Path(sys.executable).parent
+from tests.support.cli import BIN, cli_env
+from tests.support.train import Workspace, head_weights, train_overrides
 
 
 # --------------------------------------------------------------------------------------- names
@@ -89,22 +85,17 @@ def test_eval_summary_and_objectives(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- multirun CLI
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("sweep"), "llama", "eagle3")
-
-
 def _sweep(ws: Workspace, root: Path, *extra: str) -> subprocess.CompletedProcess:
     replaced = {"train.lr", *(e.split("=", 1)[0] for e in extra)}
     ov = [o for o in train_overrides(root, ws.capture, steps=2, train__eval_every=2, train__save_every=2)
           if o.split("=", 1)[0] not in replaced]
     return subprocess.run([str(BIN / "eagle-train"), "-m", *ws.base, *ov, "train.lr=1e-3,1e-2", *extra],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+                          capture_output=True, text=True, env=cli_env(), timeout=600)
 
 
-def test_two_job_multirun_gives_two_heads_and_a_summary(ws, tmp_path):
+def test_two_job_multirun_gives_two_heads_and_a_summary(ws3, tmp_path):
     root = tmp_path / "sweep"
-    proc = _sweep(ws, root)
+    proc = _sweep(ws3, root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(p.name for p in root.iterdir() if p.is_dir())
     assert jobs == ["0_lr-0.001", "1_lr-0.01"]
@@ -126,7 +117,7 @@ def test_two_job_multirun_gives_two_heads_and_a_summary(ws, tmp_path):
     # The same sweep with another batch size: both jobs refuse to resume, the sweep says so and exits 2,
     # and each folder keeps the config of the run it holds.
     before = (root / jobs[0] / "train_config.yaml").read_text()
-    proc = _sweep(ws, root, "train.batch_size=2")
+    proc = _sweep(ws3, root, "train.batch_size=2")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.count("train.batch_size: 4 -> 2") == 2
     assert (root / jobs[0] / "train_config.yaml").read_text() == before

@@ -13,120 +13,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from eagle.cli.app import compose
 from eagle.errors import CaptureError, CheckpointError
 from eagle.train.metrics import MetricSums, simulated_tau
 from eagle.train.schedule import lr_factor
+from tests.support.train import (
+    SGD_STEP,
+    Workspace,
+    assert_same_optimizer_state,
+    assert_same_update,
+    assert_same_weights,
+    base_overrides,
+    final_head,
+    head_weights,
+    train_overrides,
+)
 from tests.tiny_models import _CORPUS, FAMILIES, make_model, save_model
 
 # Tiny models are latency-bound: one torch thread (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# --------------------------------------------------------------------------------------- workspace
-def write_conversations(path: Path, n: int = 24) -> Path:
-    """A ShareGPT-format jsonl of `n` short, distinct conversations."""
-    with open(path, "w") as f:
-        for i in range(n):
-            a, b = _CORPUS[i % len(_CORPUS)], _CORPUS[(3 * i + 1) % len(_CORPUS)]
-            turns = [{"from": "human", "value": f"{a} {i}"}, {"from": "gpt", "value": f"{b} {a}"}]
-            f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
-    return path
-
-
-def base_overrides(target_dir: Path, conversations: Path, algorithm: str) -> list[str]:
-    return [
-        f"target.path={target_dir}",
-        "data=local",
-        f"data.path={conversations}",
-        "data.heldout_fraction=0.2",
-        "data.dedup_against=[]",
-        "data.max_length=64",
-        "capture.dtype=float32",
-        "capture.shard_size=4",
-        f"draft.algorithm={algorithm}",
-        "draft.draft_vocab_size=128",
-        "device=cpu",
-    ]
-
-
-def train_overrides(out: Path, capture: Path | None, steps: int = 6, **extra: object) -> list[str]:
-    """Small-run training overrides; `extra` as key__sub=value replaces or adds keys."""
-    ov: dict[str, object] = {
-        "output_dir": out,
-        "train.max_steps": steps,
-        "train.batch_size": 4,
-        "train.lr": 3e-3,
-        "train.warmup_steps": 2,
-        "train.ttt_steps": 3,
-        "train.eval_every": 3,
-        "train.save_every": 2,
-        "train.log_every": 1,
-        "train.eval_batches": 1,
-        "train.keep_checkpoints": 10,
-    }
-    if capture is not None:
-        ov.update({"train.mode": "offline", "train.data_dir": capture})
-    else:
-        ov["train.mode"] = "online"
-    ov.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in ov.items()]
-
-
-class Workspace:
-    """A tiny target folder, a conversation file and a capture of it for one algorithm."""
-
-    def __init__(self, root: Path, family: str = "llama", algorithm: str = "eagle3") -> None:
-        from eagle.capture.runner import run_capture
-
-        self.root = root
-        self.algorithm = algorithm
-        self.target = save_model(family, root / "target")
-        self.conversations = write_conversations(root / "convs.jsonl")
-        self.base = base_overrides(self.target, self.conversations, algorithm)
-        self.capture = root / "capture"
-        run_capture(compose(self.base + [f"output_dir={self.capture}"]))
-
-    def cfg(self, out: Path, online: bool = False, steps: int = 6, **extra: object):
-        return compose(self.base + train_overrides(out, None if online else self.capture, steps, **extra))
-
-
-@pytest.fixture(scope="module")
-def ws3(tmp_path_factory) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("ws3"), "llama", "eagle3")
-
-
+# ws3 (tiny Llama, EAGLE-3 capture) is shared with other modules: tests/conftest.py.
 @pytest.fixture(scope="module")
 def ws1(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("ws1"), "qwen2", "eagle1")
-
-
-def head_weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "model.safetensors"))
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = head_weights(a), head_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), f"{k} differs between {a} and {b}"
-
-
-def assert_same_optimizer_state(a: Path, b: Path, step: int) -> None:
-    """The optimizer state (Adam moments) of two training output dirs at `step` is bit-identical."""
-    from eagle.train.checkpoint import load_torch
-
-    name = Path("checkpoints") / f"step-{step:07d}" / "optimizer.pt"
-    oa, ob = load_torch(a / name), load_torch(b / name)
-    for k, st in oa["state"].items():
-        for key, v in st.items():
-            assert torch.equal(v, ob["state"][k][key]), (k, key)
-
-
-def final_head(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step-{step:07d}" / "head"
 
 
 # --------------------------------------------------------------------------------------- maths
@@ -292,8 +204,8 @@ def test_micro_slices_partition_the_global_batch():
 
 # --------------------------------------------------------------------------------------- training runs
 def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
+    from eagle.artifacts import resolve_draft_path as resolve_head_dir
     from eagle.heads.io import load_head, read_head_extra
-    from eagle.heads.resolve import resolve_draft_path as resolve_head_dir
     from eagle.targets import load_target
     from eagle.train.trainer import format_result, train
 
@@ -340,30 +252,6 @@ def test_interrupt_and_resume_is_bit_exact(which, request, tmp_path):
     assert_same_weights(final_head(tmp_path / "a", 7), final_head(tmp_path / "b", 7))
     # Optimizer state too: Adam moments are part of "the same run".
     assert_same_optimizer_state(tmp_path / "a", tmp_path / "b", 7)
-
-
-# One plain-SGD update (-lr x gradient, no clipping, constant lr): weights after it compare the
-# gradients themselves. After AdamW a near-zero gradient moves a weight by ~lr x sign(g), so float
-# summation order (another CPU, BLAS kernel or reduction tree) becomes an lr-sized difference.
-SGD_STEP = dict(train__optimizer="sgd", train__lr=1.0, train__warmup_steps=0, train__schedule="constant",
-                train__grad_clip=0, train__eval_every=100, train__save_every=100)
-
-
-def assert_same_update(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Weights after the same SGD steps computed two ways agree within float32 summation error.
-
-    Each gradient entry is a sum over a few hundred token terms; reordering such a sum changes it by
-    a few ulps of the largest partial sum, so 64 float32 ulps of the tensor's largest weight bound the
-    difference with room to spare. A normalisation bug (a micro-batch divided by its own instead of
-    the global token count) moves weights by a sizeable fraction of the update (~0.1-0.5 here).
-    """
-    assert a.keys() == b.keys()
-    for k in a:
-        if not a[k].is_floating_point():
-            assert torch.equal(a[k], b[k]), k
-            continue
-        tol = 64 * torch.finfo(torch.float32).eps * float(a[k].abs().max())
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_grad_accum_matches_one_big_batch(ws3, tmp_path):

@@ -4,62 +4,45 @@ that must train the same head as one process on the same global batch."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from tests.test_train import SGD_STEP, Workspace, assert_same_update, head_weights, train_overrides
-
-BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("cli"), "llama", "eagle3")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    return env
+from tests.support.cli import BIN, cli_env
+from tests.support.train import SGD_STEP, assert_same_update, head_weights, train_overrides
 
 
 def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def test_cli_trains_and_prints_heldout_metrics(ws, tmp_path):
+def test_cli_trains_and_prints_heldout_metrics(ws3, tmp_path):
     out = tmp_path / "one"
-    proc = _run([str(BIN / "eagle-train"), *ws.base, *train_overrides(out, ws.capture, steps=4)])
+    proc = _run([str(BIN / "eagle-train"), *ws3.base, *train_overrides(out, ws3.capture, steps=4)])
     assert "held-out:" in proc.stdout and "acc@0=" in proc.stdout and "tau_sim=" in proc.stdout
     assert (out / "best" / "model.safetensors").is_file() and (out / "train_config.yaml").is_file()
 
 
-def test_cli_refuses_a_missing_capture(ws, tmp_path):
+def test_cli_refuses_a_missing_capture(ws3, tmp_path):
     proc = subprocess.run(
-        [str(BIN / "eagle-train"), *ws.base, *train_overrides(tmp_path / "o", tmp_path / "nope", steps=2)],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        [str(BIN / "eagle-train"), *ws3.base, *train_overrides(tmp_path / "o", tmp_path / "nope", steps=2)],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
     )
     assert proc.returncode == 2 and "manifest.json does not exist" in proc.stderr
 
 
-def test_two_gloo_processes_match_one_process(ws, tmp_path):
+def test_two_gloo_processes_match_one_process(ws3, tmp_path):
     """Global batch 4: 1 process x 4 vs 2 processes x 2 (DDP over gloo) -> the same SGD updates up to
     float summation order, because each micro-batch loss is normalised by the GLOBAL token count
     (a rank normalising by its own count would roughly double every update)."""
     steps = 2
     sgd = {**SGD_STEP, "train__lr": 0.5}
     one, two = tmp_path / "one", tmp_path / "two"
-    _run([str(BIN / "eagle-train"), *ws.base, *train_overrides(one, ws.capture, steps, **sgd)])
+    _run([str(BIN / "eagle-train"), *ws3.base, *train_overrides(one, ws3.capture, steps, **sgd)])
     _run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "eagle.cli.train",
-          *ws.base, *train_overrides(two, ws.capture, steps, **sgd)], timeout=600)
+          *ws3.base, *train_overrides(two, ws3.capture, steps, **sgd)], timeout=600)
     ck = Path("checkpoints") / f"step-{steps:07d}"
     assert (two / ck / "rng" / "rank-00001.pt").is_file()  # really two ranks
     assert_same_update(head_weights(one / ck / "head"), head_weights(two / ck / "head"))

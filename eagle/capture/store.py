@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
+from eagle.artifacts import MANIFEST
 from eagle.errors import CaptureError
 from eagle.fileio import file_sha256, fsync_dir, temp_path
 from eagle.precision import DTYPES as STORAGE_DTYPES
 
 FORMAT = "eagle-capture"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 SHARD_METADATA_KEY = "eagle_capture"
 RANK_MANIFEST = "manifest.rank{rank}.json"
 SPLITS = ("train", "heldout")

@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import OmegaConf, read_write
 
 from eagle import sweep
+from eagle.artifacts import stage_config
 from eagle.config import RootConfig, register_configs, to_root_config
 from eagle.errors import EagleError
 from eagle.fileio import atomic_write_text
@@ -55,7 +56,7 @@ def compose(overrides: Sequence[str] = ()) -> RootConfig:
 def save_resolved_config(cfg: RootConfig, stage: str) -> Path:
     """Write the resolved config of a run next to its artifacts: `<output_dir>/<stage>_config.yaml`."""
     out = Path(cfg.output_dir)
-    path = out / f"{stage}_config.yaml"
+    path = out / stage_config(stage)
     try:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -86,7 +87,7 @@ def storage_error_message(stage: str, err: OSError) -> str | None:
 def _config_kept_on_refusal(cfg: RootConfig, stage: str) -> Iterator[None]:
     """Write the run's resolved config; if the stage then refuses (EagleError), put back the one the
     folder held before (the config of the artifacts there, e.g. a run a resume was refused for)."""
-    path = Path(cfg.output_dir) / f"{stage}_config.yaml"
+    path = Path(cfg.output_dir) / stage_config(stage)
     try:
         previous = path.read_text() if path.is_file() else None
     except OSError:

@@ -1,7 +1,7 @@
 """`eagle-eval`: speculative decoding measured against plain decoding baselines, with a report.
 
-Public API: `evaluate(cfg) -> dict` (writes report.json / report.md / plots to cfg.output_dir),
-`resolve_draft_path(path) -> Path`, and `load_draft(path, target, device)`.
+Public API: `evaluate(cfg) -> dict` (writes report.json / report.md / plots to cfg.output_dir).
+`draft.path` is resolved by `eagle.artifacts.resolve_draft` and loaded by `eagle.export.load_draft`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from eagle.config import RootConfig
 
 
@@ -21,11 +19,4 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
     return _evaluate(cfg)
 
 
-def resolve_draft_path(path: str | Path | None) -> Path:
-    """See `eagle.heads.resolve.resolve_draft_path`."""
-    from eagle.heads.resolve import resolve_draft_path as _resolve
-
-    return _resolve(path)
-
-
-__all__ = ["evaluate", "resolve_draft_path"]
+__all__ = ["evaluate"]

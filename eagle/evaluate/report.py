@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from eagle.artifacts import REPORT
 from eagle.evaluate import metrics
 from eagle.fileio import atomic_write_text
 
@@ -241,6 +242,6 @@ def write_atomic(path: Path, text: str) -> Path:
 def write_report(report: dict[str, Any], output_dir: Path) -> tuple[Path, Path]:
     """`report.json` and `report.md` in `output_dir`."""
     output_dir = Path(output_dir)
-    j = write_atomic(output_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+    j = write_atomic(output_dir / REPORT, json.dumps(report, indent=2, default=str) + "\n")
     m = write_atomic(output_dir / "report.md", markdown(report))
     return j, m

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from eagle.artifacts import resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
 from eagle.evaluate import metrics, plots
@@ -32,7 +33,7 @@ from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, t
 from eagle.evaluate.divergence import divergence_at
 from eagle.evaluate.divergence import summarize as summarize_divergence
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
-from eagle.heads.resolve import load_draft, resolve_draft
+from eagle.export.loader import load_draft
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"

@@ -2,7 +2,7 @@
 
 from eagle.export.exporter import export_head, resolve_head_source, run_export, write_export
 from eagle.export.formats import FORMATS
-from eagle.export.loader import load_exported_head
+from eagle.export.loader import load_draft, load_exported_head
 from eagle.export.validate import ExportedHead, check_folder, read_folder
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "ExportedHead",
     "check_folder",
     "export_head",
+    "load_draft",
     "load_exported_head",
     "read_folder",
     "resolve_head_source",

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from eagle.artifacts import TRAIN_CONFIG, resolve_draft
 from eagle.errors import EagleError, ExportError
 from eagle.export.formats import (
     CONFIG_FILE,
@@ -32,7 +33,6 @@ from eagle.export.formats import (
 )
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.resolve import resolve_draft
 from eagle.precision import DTYPES as _DTYPES
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ _HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin"
 
 
 def resolve_head_source(path: str | Path) -> tuple[Path, Path | None]:
-    """`draft.path` -> (folder to export from, training output dir or None); see `eagle.heads.resolve`."""
+    """`draft.path` -> (folder to export from, training output dir or None); see `eagle.artifacts.resolve_draft`."""
     resolved = resolve_draft(path)
     return resolved.folder, resolved.training_dir
 
@@ -262,12 +262,12 @@ def export_head(head: DraftHead, output_dir: str | Path, fmt: str, dtype: str = 
 
 def _trained_target_path(train_dir: Path | None) -> str | None:
     """`target.path` of the training run, from its resolved train_config.yaml."""
-    if train_dir is None or not (train_dir / "train_config.yaml").is_file():
+    if train_dir is None or not (train_dir / TRAIN_CONFIG).is_file():
         return None
     from omegaconf import OmegaConf
 
     try:
-        return str(OmegaConf.load(train_dir / "train_config.yaml").target.path)
+        return str(OmegaConf.load(train_dir / TRAIN_CONFIG).target.path)
     except Exception:  # an unreadable or foreign yaml only loses this hint
         return None
 

@@ -41,13 +41,14 @@ from typing import Any
 
 import torch
 
+from eagle.artifacts import EXPORT_CONFIG, HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.errors import ExportError
 from eagle.heads.base import HeadConfig
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
-WEIGHTS_FILE = "model.safetensors"
-HEAD_CONFIG_FILE = "head_config.json"
-CONFIG_FILE = "config.json"
+WEIGHTS_FILE = HEAD_WEIGHTS
+HEAD_CONFIG_FILE = HEAD_CONFIG
+CONFIG_FILE = EXPORT_CONFIG
 EXPORT_META_KEY = "eagle_export"  # our own block in config.json: canonical HeadConfig + format
 SPECULATORS_EMBED = "embed_tokens.weight"  # the target's input embedding, stored in speculators folders
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.errors import CheckpointError, ExportError
 from eagle.export.validate import check_folder
 from eagle.heads.base import DraftHead
+from eagle.heads.io import load_head
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +75,16 @@ def _warn_on_borrowed_mismatch(borrowed: dict[str, torch.Tensor], target_model: 
         if not torch.allclose(stored.float(), module.weight.detach().float().cpu(), atol=1e-2, rtol=1e-2):
             log.warning("%s stores its own %s that differs from the target's; eagle uses the target's",
                         folder, name)
+
+
+def load_draft(path: str | Path | None, target: Any, device: Any = "cpu") -> tuple[DraftHead, ResolvedDraft]:
+    """Load the head named by `draft.path` (see `eagle.artifacts.resolve_draft`) onto `device`,
+    attached to `target`, in eval mode: a head folder through `load_head`, an exported folder
+    through `load_exported_head`. The one head loader of the decode / eval path."""
+    resolved = resolve_draft(path)
+    if resolved.kind == "head":
+        head = load_head(resolved.folder, target_model=target, map_location=device)
+    else:
+        head = load_exported_head(resolved.folder, target, map_location=device)
+    head.eval().requires_grad_(False)
+    return head, resolved

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from eagle.artifacts import MANIFEST, REPORT, TRAIN_CONFIG
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
 from eagle.export.formats import SPECULATORS_EMBED, hub_id_for_target
@@ -36,7 +37,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
     """An `eagle-eval` report: a report.json file or the eval output dir holding one."""
     p = Path(path)
     if p.is_dir():
-        p = p / "report.json"
+        p = p / REPORT
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError as e:
@@ -83,14 +84,14 @@ def report_row(report: dict[str, Any]) -> dict[str, str]:
 
 def training_provenance(train_dir: Path | None) -> dict[str, Any]:
     """What produced the head: selected fields of train_config.yaml and the capture manifest."""
-    if train_dir is None or not (train_dir / "train_config.yaml").is_file():
+    if train_dir is None or not (train_dir / TRAIN_CONFIG).is_file():
         return {}
     from omegaconf import OmegaConf
 
     try:
-        tc = OmegaConf.to_container(OmegaConf.load(train_dir / "train_config.yaml"), resolve=False)
+        tc = OmegaConf.to_container(OmegaConf.load(train_dir / TRAIN_CONFIG), resolve=False)
     except Exception as e:  # a damaged yaml must not block publishing the weights
-        log.warning("cannot read %s: %s", train_dir / "train_config.yaml", e)
+        log.warning("cannot read %s: %s", train_dir / TRAIN_CONFIG, e)
         return {}
     data, draft, train = tc.get("data", {}), tc.get("draft", {}), tc.get("train", {})
     out: dict[str, Any] = {
@@ -106,7 +107,7 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
                                             "warmup_steps", "schedule", "mixed_precision", "seed") if k in train},
     }
     data_dir = train.get("data_dir")
-    manifest = Path(str(data_dir)) / "manifest.json" if data_dir else None
+    manifest = Path(str(data_dir)) / MANIFEST if data_dir else None
     if manifest is not None and manifest.is_file():
         try:
             m = json.loads(manifest.read_text())

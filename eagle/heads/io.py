@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
 from eagle.heads.base import DraftHead, HeadConfig
@@ -30,8 +31,8 @@ from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, 
 log = logging.getLogger(__name__)
 
 HEADS: dict[str, type[DraftHead]] = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "head_config.json"
+WEIGHTS_NAME = HEAD_WEIGHTS
+CONFIG_NAME = HEAD_CONFIG
 _EXTRA_KEY = "eagle_extra"
 
 

@@ -32,14 +32,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle.artifacts import (
+    BEST,
+    BEST_OLD,
+    CHECKPOINTS,
+    LATEST,
+    RUN_CONFIG,
+    STATE,
+    checkpoint_name,
+    list_checkpoints,
+)
+from eagle.artifacts import checkpoint_step as _step_of
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_write_text, fsync_dir, fsync_tree
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-BEST = "best"
-STATE = "state.json"
-RUN_CONFIG = "run_config.json"  # the resolved config of the run (eagle.train.resume)
 FORMAT_VERSION = 1
 
 
@@ -66,20 +72,6 @@ class TrainState:
             return cls(**data)
         except TypeError as e:
             raise CheckpointError(f"{source} is not a checkpoint state of this eagle version ({e})") from e
-
-
-# --- fs helpers -----------------------------------------------------------------------------------
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith("step-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
 
 
 # --- RNG ------------------------------------------------------------------------------------------
@@ -172,15 +164,6 @@ def save_checkpoint(
     return final
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (final name + state.json), oldest first."""
-    root = Path(output_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None and (p / STATE).is_file()]
-    return [p for _, p in sorted(found)]
-
-
 def prune_checkpoints(output_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (and stale temporary folders)."""
     ckpts = list_checkpoints(output_dir)
@@ -263,7 +246,7 @@ def save_best(output_dir: str | Path, head: torch.nn.Module, extra: dict[str, An
     from eagle.heads.io import save_head
 
     out = Path(output_dir)
-    best, tmp, old = out / BEST, out / f".{BEST}.tmp", out / f".{BEST}.old"
+    best, tmp, old = out / BEST, out / f".{BEST}.tmp", out / BEST_OLD
     for p in (tmp, old):
         if p.exists():
             shutil.rmtree(p)

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from eagle.capture.store import MANIFEST, shard_file
-from tests.test_capture_cli import ROOT, cli_args, cli_env, run_cli, same_capture, write_conversations
+from tests.support.capture import cli_args, run_cli, same_capture
+from tests.support.cli import ROOT, cli_env
+from tests.support.data import write_word_salad
 from tests.tiny_models import save_model
 
 N = 120  # one conversation per shard: enough shards that the kill lands mid-run
@@ -27,7 +29,7 @@ def _recorded(out) -> list[dict]:
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     target = save_model("llama", tmp_path / "tiny-llama")
-    data = write_conversations(tmp_path / "data.jsonl", N, seed=3, max_words=120)
+    data = write_word_salad(tmp_path / "data.jsonl", N, seed=3, max_words=120)
     killed, clean = tmp_path / "killed", tmp_path / "clean"
 
     proc = subprocess.Popen(

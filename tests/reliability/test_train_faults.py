@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import Workspace, assert_same_weights, final_head, train_overrides
+from tests.support.train import Workspace, assert_same_weights, final_head, train_overrides
 
 # Runs training in a child that SIGKILLs itself at a chosen point (no cleanup, like the OOM killer).
 CHILD = r"""

@@ -1,4 +1,4 @@
-"""Shared helpers of the decoder tests (no tests here): random heads and a scripted "oracle" head.
+"""Shared helpers of the decoder tests: random heads and a scripted "oracle" head.
 
 Random heads almost never draft what a random target picks, so they only exercise the rejection path.
 `OracleHead` drafts a known reference continuation, deliberately wrong at some positions and with the
