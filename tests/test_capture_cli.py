@@ -15,6 +15,9 @@ from tests.support.capture import cli_args, run_cli, same_capture
 from tests.support.data import write_word_salad
 from tests.tiny_models import save_model
 
+# Every test runs eagle-capture in a subprocess: make test, not make test-fast.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -58,7 +61,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_equal_one(setup):
     base, target, data, single, _ = setup
     double = base / "double"

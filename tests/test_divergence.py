@@ -89,6 +89,7 @@ def tiny_pair():
     return model, copy.deepcopy(model).to(torch.bfloat16), tok
 
 
+@pytest.mark.slow  # ~30 s: 8 prompts x 48 tokens decoded in float32 and bfloat16
 def test_planted_off_by_one_bug_is_not_numeric(tiny_pair, monkeypatch):
     """A decoder whose bonus token is off by one (id + 1) after a multi-token accept diverges with a
     large float32 gap between its token and the target's: the check fails as it must."""

@@ -196,6 +196,7 @@ def test_resume_reuses_finished_prompts(greedy_report, workspace):
     assert again["settings"]["resumed_prompt_ids"] == ["poem", "code"]
 
 
+@pytest.mark.slow  # a second target and a full sampled evaluation (~10 s)
 def test_sampling_run_other_family(tmp_path):
     """temperature > 0 on a Qwen2-family target: no greedy comparison, report still consistent."""
     from eagle.evaluate import evaluate
@@ -264,6 +265,7 @@ def test_resolve_draft_path_errors(tmp_path):
         resolve_draft_path(tmp_path / "run")
 
 
+@pytest.mark.slow  # a console script in a subprocess
 def test_cli_reports_bad_draft_path(tmp_path):
     """The console entry point prints one message naming the key and exits 2, before loading any model."""
     proc = subprocess.run(

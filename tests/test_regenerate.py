@@ -42,7 +42,8 @@ def test_turn_by_turn_replies_feed_the_regenerated_history(tiny_qwen2, monkeypat
     assert solo[0] == records[1]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+# The fast tier keeps the default (continuous) engine; the generate engine runs in make test.
+@pytest.mark.parametrize("engine", ["continuous", pytest.param("generate", marks=pytest.mark.slow)])
 def test_output_resume_and_torn_line(tiny_qwen2, tmp_path, engine):
     model, tok = tiny_qwen2
     cfg = RegenerateConfig(batch_size=2, max_new_tokens=6, engine=engine)
@@ -84,6 +85,7 @@ def test_resume_refuses_other_settings_and_corrupt_files(tiny_qwen2, tmp_path):
         regenerate(model, tok, CONVS, CFG, out, target_fingerprint="t", progress=False)
 
 
+@pytest.mark.slow  # ~16 s; seeds per conversation are also checked in test_continuous.py
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sampling_is_seeded(tiny_qwen2, tmp_path, engine):
     model, tok = tiny_qwen2

@@ -107,6 +107,8 @@ def test_follow_schedule_applies_a_new_max_steps_from_the_next_update():
 
 
 # --------------------------------------------------------------------------------------- training
+# Training runs of 2-4 steps each, ~30 s together with the workspace: marked slow (make test runs them).
+@pytest.mark.slow
 def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws3, tmp_path):
     from eagle.train.trainer import train
 
@@ -123,6 +125,7 @@ def test_resume_with_a_changed_lr_is_refused_naming_the_key(ws3, tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]  # nothing trained or written
 
 
+@pytest.mark.slow
 def test_raised_max_steps_continues_bit_exactly(ws3, tmp_path, capsys):
     """2 steps, then resumed to 4 with another eval cadence == 4 steps straight (constant schedule, so
     max_steps does not shape the lr); the allowed changes are logged."""
@@ -140,6 +143,7 @@ def test_raised_max_steps_continues_bit_exactly(ws3, tmp_path, capsys):
     assert_same_optimizer_state(tmp_path / "a", tmp_path / "b", 4)
 
 
+@pytest.mark.slow
 def test_raised_max_steps_with_cosine_says_what_changes(ws3, tmp_path, capsys):
     from eagle.train.trainer import train
 
@@ -151,6 +155,7 @@ def test_raised_max_steps_with_cosine_says_what_changes(ws3, tmp_path, capsys):
     assert "the cosine schedule now decays to step 3: updates 3.. follow it, updates 1..2 ran under the old one" in log
 
 
+@pytest.mark.slow
 def test_checkpoint_of_an_older_eagle_resumes_with_a_note(ws3, tmp_path, capsys):
     from eagle.train.trainer import train
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from eagle.sweep import build_summary, collect_records, job_dir_name, objective, summary_markdown, swept_keys
@@ -93,6 +94,7 @@ def _sweep(ws: Workspace, root: Path, *extra: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, env=cli_env(), timeout=600)
 
 
+@pytest.mark.slow  # two eagle-train multiruns in subprocesses
 def test_two_job_multirun_gives_two_heads_and_a_summary(ws3, tmp_path):
     root = tmp_path / "sweep"
     proc = _sweep(ws3, root)

@@ -412,6 +412,7 @@ def test_online_training_matches_offline(ws3, tmp_path):
     assert on.eval_metrics["acc_0"] == pytest.approx(off.eval_metrics["acc_0"], abs=1e-6)
 
 
+@pytest.mark.slow  # wandb starts its service process
 def test_wandb_offline_run_holds_the_metrics(ws3, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from eagle.train.trainer import train

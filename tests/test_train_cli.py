@@ -7,8 +7,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli import BIN, cli_env
 from tests.support.train import SGD_STEP, assert_same_update, head_weights, train_overrides
+
+# Every test runs eagle-train (or accelerate launch) in subprocesses: make test, not make test-fast.
+pytestmark = pytest.mark.slow
 
 
 def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

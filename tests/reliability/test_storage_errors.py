@@ -31,6 +31,7 @@ def test_other_os_errors_are_not_disguised():
     assert storage_error_message("train", OSError(errno.EINVAL, "bad")) is None
 
 
+@pytest.mark.slow  # a console script in a subprocess
 def test_cli_exits_2_with_the_message_on_an_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep me")

@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.train import Workspace, assert_same_weights, final_head, train_overrides
 
+pytestmark = pytest.mark.slow  # training children killed mid-run, then resumed in process
+
 # Runs training in a child that SIGKILLs itself at a chosen point (no cleanup, like the OOM killer).
 CHILD = r"""
 import os, signal, sys
