@@ -9,7 +9,8 @@
   * regeneration (self-distillation): as decoding. Answers are generated in the dtype the target
     will be served in, and a batch of 32 decodes ~1.7x faster in bf16.
   * capture / training: float32 on a CPU (features keep full precision), bfloat16 on an
-    accelerator with bf16.
+    accelerator with bf16. The head's compute in training is `train.mixed_precision`
+    (`resolve_mixed_precision`: `auto` = bf16 autocast where native).
 
 An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
 would emulate it, several times slower than float32.
@@ -81,8 +82,36 @@ def resolve_dtype(name: str, device: torch.device | str | None = None, stage: st
     return DTYPES[name]
 
 
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+
+
+def resolve_mixed_precision(name: str, device: torch.device | str | None = None) -> str:
+    """accelerate's `mixed_precision` for `train.mixed_precision=name` on `device`: no | bf16 | fp16.
+
+    `auto` is bf16 autocast where the device computes bf16 natively (a CPU with AVX512-BF16 / AMX,
+    a CUDA device with bf16), else no (float32). On such a CPU one EAGLE-3 step runs ~1.7x faster
+    under bf16 autocast (scripts/bench_train.py). An explicit half precision the device would only
+    emulate is refused, naming the device and the missing support.
+    """
+    if name not in MIXED_PRECISION:
+        raise TargetError(f"train.mixed_precision={name!r} is not one of {', '.join(MIXED_PRECISION)}")
+    if name == "no":
+        return name
+    dtype = {"auto": "bfloat16", "bf16": "bfloat16", "fp16": "float16"}[name]
+    ok, why = native_dtype_support(dtype, device)
+    if name == "auto":
+        return "bf16" if ok else "no"
+    if not ok:
+        raise TargetError(
+            f"train.mixed_precision={name} on {device or 'cpu'}: {why}, so autocast would emulate {dtype} "
+            "(slower than float32); use train.mixed_precision=no or train.mixed_precision=auto"
+        )
+    return name
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "cpu_flags", "dtype_name", "native_dtype_support", "resolve_dtype"]
+__all__ = ["DTYPES", "DTYPE_NAMES", "MIXED_PRECISION", "cpu_flags", "dtype_name", "native_dtype_support",
+           "resolve_dtype", "resolve_mixed_precision"]

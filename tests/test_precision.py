@@ -58,3 +58,20 @@ def test_eval_loads_target_and_head_in_the_resolved_dtype(tiny_target_dir, flags
     gen = SpeculativeGenerator(model, head, tok, DecodeConfig(tree="dynamic", max_new_tokens=4))
     assert next(gen.head.parameters()).dtype == torch.bfloat16
     assert len(gen.generate([1, 2, 3]).tokens) >= 1
+
+
+# --------------------------------------------------------------------------------------- training
+def test_mixed_precision_auto_follows_the_cpu(flags):
+    flags("avx512f", "avx512_bf16")
+    assert precision.resolve_mixed_precision("auto", "cpu") == "bf16"
+    flags("avx2")
+    assert precision.resolve_mixed_precision("auto", "cpu") == "no"
+    assert precision.resolve_mixed_precision("no", "cpu") == "no"
+
+
+def test_explicit_bf16_training_without_the_flag_is_refused_naming_it(flags):
+    flags("avx2")
+    with pytest.raises(TargetError, match=r"train.mixed_precision=bf16 on cpu: .*avx512_bf16.*mixed_precision=auto"):
+        precision.resolve_mixed_precision("bf16", "cpu")
+    with pytest.raises(TargetError, match="not one of"):
+        precision.resolve_mixed_precision("bfloat16", "cpu")

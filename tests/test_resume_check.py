@@ -79,6 +79,25 @@ def test_auto_dtype_compares_as_the_dtype_it_resolves_to(tmp_path):
     assert compare(_record(tmp_path, "target.dtype=float32"), _record(tmp_path, "target.dtype=auto")) == []
 
 
+def test_auto_mixed_precision_compares_as_what_it_resolves_to(tmp_path):
+    from eagle.precision import resolve_mixed_precision
+
+    resolved = resolve_mixed_precision("auto", "cpu")
+    assert compare(_record(tmp_path, f"train.mixed_precision={resolved}"),
+                   _record(tmp_path, "train.mixed_precision=auto")) == []
+
+
+def test_keys_an_older_record_lacks_compare_with_their_default(tmp_path):
+    old = _record(tmp_path)
+    for key in ("train.group_by_length", "train.mixed_precision"):
+        del old["config"][key]  # written before these options existed
+    old["config"]["train.removed_option"] = 3  # an option since removed: skipped
+    assert compare(old, _record(tmp_path)) == []
+    changes = compare(old, _record(tmp_path, "train.group_by_length=true"))
+    assert [(c.key, c.old, c.new, c.kind) for c in changes] == [("train.group_by_length", False, True, "trajectory")]
+    assert "older eagle" in changes[0].note
+
+
 def test_follow_schedule_applies_a_new_max_steps_from_the_next_update():
     cfg4 = compose(["train.max_steps=4", "train.warmup_steps=1", "train.schedule=cosine"]).train
     cfg8 = compose(["train.max_steps=8", "train.warmup_steps=1", "train.schedule=cosine"]).train

@@ -192,6 +192,46 @@ def test_batch_stream_resumes_from_a_position(ws3):
     assert seq[:per_epoch] != seq[per_epoch : 2 * per_epoch]
 
 
+def test_group_by_length_keeps_the_epoch_and_cuts_padding():
+    from eagle.train.batches import GROUP_WINDOW_BATCHES, group_by_length
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 700, (1000,), generator=g).tolist()
+    order = torch.randperm(1000, generator=g).tolist()
+    grouped = group_by_length(order, lengths, 4, 512, torch.Generator().manual_seed(1))
+    assert sorted(grouped) == list(range(1000))  # the same items, each once
+    window = GROUP_WINDOW_BATCHES * 4
+    for lo in range(0, 1000, window):  # nobody leaves its window of the shuffled order
+        assert sorted(grouped[lo : lo + window]) == sorted(order[lo : lo + window])
+
+    def padding(o: list[int]) -> float:
+        batches = [[min(lengths[i], 512) for i in o[j : j + 4]] for j in range(0, 1000, 4)]
+        return 1 - sum(map(sum, batches)) / sum(4 * max(b) for b in batches)
+
+    assert padding(order) > 0.2 and padding(grouped) < 0.03
+    # Batches of a window are shuffled: lengths do not just rise through the window.
+    firsts = [min(lengths[grouped[j]], 512) for j in range(0, window, 4)]
+    assert firsts != sorted(firsts)
+
+
+def test_grouped_stream_is_deterministic_and_resumes(ws3):
+    from eagle.train.batches import BatchStream, DataPosition, OfflineSplit
+
+    split = OfflineSplit(ws3.capture, "train", seed=3)
+    full = BatchStream(split, 3, 4, 1, 64, 0, group_lengths=True)
+    seq = [full.next_indices() for _ in range(9)]
+    twin = BatchStream(split, 3, 4, 1, 64, 0, group_lengths=True)
+    assert [twin.next_indices() for _ in range(9)] == seq
+    part = BatchStream(split, 3, 4, 1, 64, 0, group_lengths=True)
+    for _ in range(4):
+        part.next_indices()
+    resumed = BatchStream(split, 3, 4, 1, 64, 0, position=DataPosition(**vars(part.position)), group_lengths=True)
+    assert [resumed.next_indices() for _ in range(5)] == seq[4:]
+    per_epoch = len(split) // 4
+    first = [i for s in seq[:per_epoch] for i in s]
+    assert len(set(first)) == len(first)
+
+
 def test_micro_slices_partition_the_global_batch():
     from eagle.config import ConfigError
     from eagle.train.batches import micro_slices
@@ -282,6 +322,21 @@ def test_bf16_mixed_precision_trains(ws3, tmp_path):
     result = train(ws3.cfg(tmp_path / "o", steps=2, train__mixed_precision="bf16", train__eval_every=2))
     assert result.step == 2 and not result.skipped_steps
     assert math.isfinite(result.train_metrics["loss"]) and result.eval_metrics["tau_sim"] >= 1.0
+
+
+def test_bf16_and_fp32_training_reach_the_same_loss(ws3, tmp_path):
+    """bf16 autocast changes rounding, not what is learnt: after 8 steps on the tiny model the held-out
+    loss is within 1% of float32's (measured: 0.01%) and both improve on the untrained head."""
+    from eagle.train.trainer import train
+
+    runs = {mp: train(ws3.cfg(tmp_path / mp, steps=8, train__mixed_precision=mp, train__eval_every=8,
+                              train__lr=3e-3))
+            for mp in ("no", "bf16")}
+    fp32, bf16 = runs["no"].eval_metrics["loss"], runs["bf16"].eval_metrics["loss"]
+    assert abs(bf16 - fp32) <= 0.01 * fp32
+    for r in runs.values():
+        assert r.eval_metrics["loss"] < r.initial_eval_metrics["loss"]
+    assert fp32 != bf16  # bf16 really ran (autocast on): the two differ in rounding
 
 
 @pytest.mark.parametrize("capture_dtype", ["float16", "bfloat16"])

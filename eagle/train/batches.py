@@ -42,6 +42,8 @@ class SplitData(Protocol):
 
     def item(self, index: int) -> dict[str, Any]: ...
 
+    def lengths(self) -> list[int]: ...
+
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]: ...
 
 
@@ -66,6 +68,9 @@ class OfflineSplit:
 
     def item(self, index: int) -> dict[str, Any]:
         return self.dataset[index]
+
+    def lengths(self) -> list[int]:
+        return self.dataset.lengths()
 
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
         batch = _to_device(batch, device)
@@ -114,6 +119,9 @@ class OnlineSplit:
         n, s = len(self.conversations), self.shard_size
         return [min(s, n - start) for start in range(0, n, s)]
 
+    def lengths(self) -> list[int]:
+        return [len(c.input_ids) for c in self.conversations]
+
     def item(self, index: int) -> dict[str, Any]:
         c = self.conversations[index]
         return {
@@ -143,6 +151,34 @@ def truncate_item(item: dict[str, Any], max_length: int) -> dict[str, Any]:
     if int(item["input_ids"].shape[0]) <= max_length:
         return item
     return {k: (v[:max_length] if isinstance(v, torch.Tensor) else v) for k, v in item.items()}
+
+
+# Conversations sorted together by `group_by_length`: windows of this many global batches. Wide
+# enough that neighbours in length are close (padding a few %), narrow enough that a window still
+# mixes conversations from across the shuffled order.
+GROUP_WINDOW_BATCHES = 32
+
+
+def group_by_length(order: list[int], lengths: Sequence[int], batch_size: int, max_length: int,
+                    generator: torch.Generator) -> list[int]:
+    """`order` regrouped so that each run of `batch_size` items has similar (truncated) lengths.
+
+    Windows of GROUP_WINDOW_BATCHES x batch_size consecutive items are sorted by length and cut
+    into batches; the batches of a window are then shuffled (with `generator`), so long and short
+    batches alternate. Every item stays in its window: the epoch holds the same items, and the
+    shuffle's randomness over windows is kept. The tail shorter than a window is grouped likewise.
+    """
+    window = GROUP_WINDOW_BATCHES * batch_size
+    out: list[int] = []
+    for lo in range(0, len(order), window):
+        chunk = sorted(order[lo : lo + window], key=lambda i: (min(lengths[i], max_length), i))
+        batches = [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+        full = [b for b in batches if len(b) == batch_size]
+        # A short last batch stays last: the epoch's tail that BatchStream drops is never a full batch.
+        for k in torch.randperm(len(full), generator=generator).tolist():
+            out.extend(full[k])
+        out.extend(i for b in batches if len(b) < batch_size for i in b)
+    return out
 
 
 @dataclass
@@ -180,6 +216,7 @@ class BatchStream:
         rank: int = 0,
         world_size: int = 1,
         position: DataPosition | None = None,
+        group_lengths: bool = False,
     ) -> None:
         if len(data) < batch_size:
             raise ConfigError(
@@ -193,13 +230,19 @@ class BatchStream:
         self.max_length = max_length
         self.pad_id = pad_id
         self.position = position or DataPosition()
+        self.seed = seed
+        self.lengths = data.lengths() if group_lengths else None
         self._order_epoch: int | None = None
         self._order: list[int] = []
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:
             self.sampler.set_epoch(epoch)
-            self._order, self._order_epoch = self.sampler.order(), epoch
+            order = self.sampler.order()
+            if self.lengths is not None:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 7_919)  # not the sampler's stream
+                order = group_by_length(order, self.lengths, self.batch_size, self.max_length, g)
+            self._order, self._order_epoch = order, epoch
         return self._order
 
     def next_indices(self) -> list[int]:

@@ -45,6 +45,7 @@ class MetricSums:
     step_tokens: list[float] = field(default_factory=list)  # per unroll step: valid tokens
     extra: dict[str, float] = field(default_factory=dict)  # name -> sum of value x step-0 tokens
     tokens: float = 0.0  # real (attention) tokens seen, for throughput
+    computed: float = 0.0  # positions computed (batch x padded width): tokens + padding
 
     def add(
         self,
@@ -53,6 +54,7 @@ class MetricSums:
         step_tokens: Sequence[float],
         extra: dict[str, float] | None = None,
         tokens: float = 0.0,
+        computed: float = 0.0,
     ) -> None:
         """Add one micro-batch's sums (per-step lists have one entry per unroll step)."""
         n = len(step_correct)
@@ -67,6 +69,12 @@ class MetricSums:
         for k, v in (extra or {}).items():
             self.extra[k] = self.extra.get(k, 0.0) + float(v)
         self.tokens += float(tokens)
+        self.computed += float(computed)
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the computed positions that were padding (0 when nothing was recorded)."""
+        return 1.0 - self.tokens / self.computed if self.computed else 0.0
 
     def reduce(self, accelerator: object | None) -> MetricSums:
         """Sum over all processes (a no-op with one process or without an accelerator).
@@ -77,15 +85,14 @@ class MetricSums:
             return self
         keys = sorted(self.extra)
         flat = torch.tensor(
-            [self.tokens, *self.step_loss, *self.step_correct, *self.step_tokens, *(self.extra[k] for k in keys)],
+            [self.tokens, self.computed, *self.step_loss, *self.step_correct, *self.step_tokens, *(self.extra[k] for k in keys)],
             dtype=torch.float64,
         )
         flat = accelerator.reduce(flat.to(accelerator.device), reduction="sum").cpu()  # type: ignore[attr-defined]
-        v = [float(x) for x in flat.tolist()]
+        tokens, computed, *v = [float(x) for x in flat.tolist()]
         n = len(self.step_correct)
         return MetricSums(
-            v[1 : 1 + n], v[1 + n : 1 + 2 * n], v[1 + 2 * n : 1 + 3 * n],
-            dict(zip(keys, v[1 + 3 * n :], strict=True)), v[0],
+            v[:n], v[n : 2 * n], v[2 * n : 3 * n], dict(zip(keys, v[3 * n :], strict=True)), tokens, computed,
         )
 
     def summary(self, loss_weights: Sequence[float], extra_weights: dict[str, float] | None = None) -> dict[str, float]:

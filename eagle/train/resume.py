@@ -100,6 +100,22 @@ def _effective_dtype(cfg: RootConfig) -> str:
         return name
 
 
+def _effective_mixed_precision(cfg: RootConfig) -> str:
+    """train.mixed_precision as training runs it (`auto` resolved for this device)."""
+    name = cfg.train.mixed_precision
+    if name != "auto":
+        return name
+    import torch
+
+    from eagle.errors import TargetError
+    from eagle.precision import resolve_mixed_precision
+
+    try:
+        return resolve_mixed_precision(name, cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except TargetError:  # recorded as asked; training itself reports why it cannot run
+        return name
+
+
 def run_record(cfg: RootConfig) -> dict[str, Any]:
     """What a checkpoint records of its run: the resolved config, local paths made absolute and
     `target.dtype=auto` resolved."""
@@ -109,6 +125,8 @@ def run_record(cfg: RootConfig) -> dict[str, Any]:
             flat[key] = _resolved(flat[key])
     if "target.dtype" in flat:
         flat["target.dtype"] = _effective_dtype(cfg)
+    if "train.mixed_precision" in flat:
+        flat["train.mixed_precision"] = _effective_mixed_precision(cfg)
     return {"format_version": 1, "config": flat}
 
 
@@ -129,18 +147,30 @@ def classify(key: str, mode: str) -> tuple[str, str]:
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Differences between two `run_record`s that matter (trajectory or free), in key order.
 
-    A key present on one side only (written by another eagle version) cannot be compared and is
-    skipped; `train.mode` decides with the new run's mode (a changed mode is itself refused)."""
+    A key the old record lacks was added to eagle after the checkpoint was written: the older run
+    behaved as the key's default, so that is what the new value is compared with (a run resumed
+    with a new option switched on is refused like any other change). A key only the old record has
+    (an option since removed) cannot be compared and is skipped. `train.mode` decides with the new
+    run's mode (a changed mode is itself refused)."""
     a, b = old.get("config", {}), new.get("config", {})
     mode = str(b.get("train.mode", a.get("train.mode", "offline")))
+    defaults = _defaults()
     changes = []
-    for key in sorted(set(a) & set(b)):
-        if a[key] == b[key]:
+    for key in sorted(set(b) & (set(a) | set(defaults))):
+        before = a[key] if key in a else defaults[key]
+        if before == b[key]:
             continue
         kind, note = classify(key, mode)
         if kind != "ignored":
-            changes.append(Change(key, a[key], b[key], kind, note))
+            if key not in a:
+                note = "not recorded by the older eagle that wrote the checkpoint; it ran with the default"
+            changes.append(Change(key, before, b[key], kind, note))
     return changes
+
+
+def _defaults() -> dict[str, Any]:
+    """Every key's default value, flattened like a `run_record`."""
+    return _flatten(json.loads(json.dumps(asdict(RootConfig()), default=str)))
 
 
 def _max_steps_note(change: Change, cfg: RootConfig, done: int) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -50,6 +51,8 @@ from eagle.train.metrics import MetricSums
 from eagle.train.resume import check_resume, follow_schedule, run_record
 from eagle.train.schedule import build_optimizer, build_scheduler
 from eagle.train.ttt import ttt_forward
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------- results
@@ -332,8 +335,14 @@ def _make_accelerator(cfg: RootConfig):
         # the first run's settings. Single-process state is safe to rebuild.
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+    from eagle.precision import resolve_mixed_precision
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mixed = resolve_mixed_precision(cfg.train.mixed_precision, device)
+    if cfg.train.mixed_precision == "auto":
+        log.info("train.mixed_precision=auto -> %s on %s", mixed, device)
     accelerator = Accelerator(
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=mixed,
         gradient_accumulation_steps=cfg.train.grad_accum,
         # Without an accelerator say so explicitly: a multi-process launch on CPU then uses gloo.
         cpu=cfg.device == "cpu" or (cfg.device is None and not torch.cuda.is_available()),
@@ -454,7 +463,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
         ckpt.set_rng_state(rng)
 
     stream = BatchStream(train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, pad_id, rank, world,
-                         DataPosition(state.epoch, state.index))
+                         DataPosition(state.epoch, state.index), group_lengths=t.group_by_length)
     wrapper = TrainStep(head, lm_head, **_loss_kw(cfg, pad_id, training=True))
     wrapper, optimizer = accelerator.prepare(wrapper, optimizer)
     steps = _loss_kw(cfg, pad_id, training=True)["steps"]
@@ -537,7 +546,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
                     accelerator.backward(parts.objective * backward_scale)
                 finite &= parts.finite
                 window.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                           float(mb["attention_mask"].sum()))
+                           float(mb["attention_mask"].sum()), float(mb["attention_mask"].numel()))
             with timer("optimizer"):
                 if t.grad_clip > 0:
                     grad_norm = accelerator.clip_grad_norm_(params, t.grad_clip)
@@ -577,6 +586,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
                     elapsed -= sum(timer.seconds.get(k, 0.0) for k in busy) - window_busy0
                     metrics = total.summary(loss_weights, extra_weights)
                     metrics.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=total.tokens / max(elapsed, 1e-9),
+                                   padding_share=total.padding_share,
                                    epoch=float(stream.position.epoch))
                     result.train_metrics = metrics
                     state.metrics.update({f"train/{k}": v for k, v in metrics.items()})
