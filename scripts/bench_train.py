@@ -1,12 +1,19 @@
 """Benchmark `eagle-train` on the bundled SmolLM2-135M: offline (captured features) and online
-(target in the loop), one short run each.
+(target in the loop), one short run per mode and settings variant, all in one process.
 
-Reports training tokens/s (real tokens, eval and checkpoint time excluded), peak memory (CUDA
-allocator peak on GPU; process max RSS on CPU) and the share of wall time per phase: data (reading
-shards / running the target online), forward_backward (head), optimizer, logging, eval, checkpoint.
+Variants (`--variants`): `old` is float32 compute with random batches (the settings before bf16
+autocast and length grouping); `new` is `train.mixed_precision=auto` (bf16 autocast where the CPU /
+GPU has native bf16) with `train.group_by_length=true`. Both use the same capture, steps and shapes,
+so the printed ratio is new vs old measured in the same run.
 
-    python scripts/bench_train.py [--steps 12] [--conversations 48] [--max-length 256] [--batch-size 4]
-        [--algorithm eagle3] [--workdir DIR] [--json OUT.json] [--modes offline,online]
+Reports training tokens/s (real tokens, eval and checkpoint time excluded), the padding share (padded
+positions / positions the head computed), peak memory (CUDA allocator peak on GPU; process max RSS on
+CPU) and the share of loop time per phase: data (reading shards / running the target online),
+forward_backward (head), optimizer, logging, eval, checkpoint.
+
+    python scripts/bench_train.py [--steps 12] [--conversations 48] [--max-length 768] [--batch-size 2]
+        [--algorithm eagle3] [--variants old,new] [--modes offline,online] [--workdir DIR] [--json OUT.json]
+        [override ...]     (Hydra overrides applied to every run, e.g. recipe=smollm2-135m-instruct)
 """
 
 from __future__ import annotations
@@ -28,12 +35,18 @@ def _peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> dict:
+VARIANTS = {
+    "old": ["train.mixed_precision=no", "train.group_by_length=false"],
+    "new": ["train.mixed_precision=auto", "train.group_by_length=true"],
+}
+
+
+def _run(mode: str, variant: str, base: list[str], work: Path, args: argparse.Namespace) -> dict:
     from eagle.cli.app import compose
     from eagle.train.trainer import train
 
-    out = work / f"train-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = base + [
+    out = work / f"train-{mode}-{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = base + VARIANTS[variant] + [
         f"output_dir={out}",
         f"train.mode={mode}",
         f"train.data_dir={work / 'capture'}",
@@ -46,6 +59,7 @@ def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> di
         "train.eval_batches=1",
         "train.warmup_steps=2",
         "train.resume=false",
+        *args.overrides,
     ]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -57,8 +71,11 @@ def _run(mode: str, base: list[str], work: Path, args: argparse.Namespace) -> di
     timed = sum(result.timings.values())
     return {
         "mode": mode,
+        "variant": variant,
+        "overrides": VARIANTS[variant],
         "steps": result.step,
         "tokens_per_s": result.train_metrics.get("tokens_per_s"),
+        "padding_share": result.train_metrics.get("padding_share"),
         "peak_memory_mb": _peak_memory_mb(),
         "wall_s": wall,
         "setup_s": wall - timed,  # target load, data, head, resume check
@@ -72,13 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-length", type=int, default=768)
+    p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--algorithm", default="eagle3", choices=["eagle1", "eagle3"])
     p.add_argument("--modes", default="offline,online")
+    p.add_argument("--variants", default="old,new", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (capture and training)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
 
     from eagle.assets import has_asset
     from eagle.capture.runner import run_capture
@@ -96,28 +118,32 @@ def main(argv: list[str] | None = None) -> int:
         "data.heldout_fraction=0.1",
         "data.dedup_against=[]",
         f"draft.algorithm={args.algorithm}",
-        "draft.draft_vocab_size=8000",
+        "draft.draft_vocab_size=8192",
         "capture.shard_size=16",
     ]
     rows = []
     modes = args.modes.split(",")
     if "offline" in modes:
         t0 = time.perf_counter()
-        run_capture(compose(base + [f"output_dir={work / 'capture'}"]))
+        run_capture(compose(base + [f"output_dir={work / 'capture'}", *args.overrides]))
         capture_s = time.perf_counter() - t0
-        rows.append({**_run("offline", base, work, args), "capture_s": capture_s})
+        rows += [{**_run("offline", v, base, work, args), "capture_s": capture_s} for v in variants]
     if "online" in modes:
-        rows.append(_run("online", base, work, args))
+        rows += [_run("online", v, base, work, args) for v in variants]
     report = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
               "args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    print("\nmode     tokens/s  peak MB   data  fwd+bwd  optim  log  eval  ckpt (share of loop time)")
+    print("\nmode     variant  tokens/s  vs old  padding  peak MB   data  fwd+bwd  optim  log  eval  ckpt"
+          " (share of loop time)")
     for r in rows:
         s = r["phase_share_of_loop"]
-        print(f"{r['mode']:<8} {r['tokens_per_s'] or 0:8.0f} {r['peak_memory_mb']:8.0f}  "
+        old = next((o for o in rows if o["mode"] == r["mode"] and o["variant"] == "old"), None)
+        ratio = f"{r['tokens_per_s'] / old['tokens_per_s']:5.2f}x" if old and old["tokens_per_s"] else "     -"
+        print(f"{r['mode']:<8} {r['variant']:<8} {r['tokens_per_s'] or 0:8.0f}  {ratio} {100 * (r['padding_share'] or 0):6.1f}%"
+              f" {r['peak_memory_mb']:8.0f}  "
               + "  ".join(f"{100 * s.get(k, 0):4.0f}%" for k in
                           ("data", "forward_backward", "optimizer", "logging", "eval", "checkpoint")))
     return 0
