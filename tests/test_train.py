@@ -269,13 +269,29 @@ def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
     assert {"loss", "loss_0", "loss_2", "acc_0", "acc_2", "lr", "tokens_per_s"} <= train_lines[0].keys()
 
 
-@pytest.mark.parametrize("which", ["ws1", "ws3"])
-def test_interrupt_and_resume_is_bit_exact(which, request, tmp_path):
+def _bf16_native() -> bool:
+    from eagle.precision import native_dtype_support
+
+    return native_dtype_support("bfloat16", "cpu")[0]
+
+
+BF16_GROUPED = {"train__mixed_precision": "bf16", "train__group_by_length": True}
+needs_bf16 = pytest.mark.skipif(not _bf16_native(), reason="this CPU has no native bf16")
+
+
+@pytest.mark.parametrize("which, online, extra", [
+    ("ws1", False, {"draft__feature_noise_std": 0.2}),
+    ("ws3", False, {}),
+    # The CPU recipe's settings: bf16 autocast and length-grouped batches, offline and online.
+    pytest.param("ws3", False, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped"),
+    pytest.param("ws3", True, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped-online"),
+])
+def test_interrupt_and_resume_is_bit_exact(which, online, extra, request, tmp_path):
     """Run 7 steps straight vs crash after step 5 (last checkpoint at 4), resume: same weights."""
     from eagle.train.trainer import TrainHooks, train
 
     ws = request.getfixturevalue(which)
-    extra = {"draft__feature_noise_std": 0.2} if which == "ws1" else {}
+    extra = {**extra, "online": online}
     straight = train(ws.cfg(tmp_path / "a", steps=7, **extra))
 
     def crash(step: int) -> None:
