@@ -84,9 +84,14 @@ class CaptureConfig:
     free_space_margin: float = 1.1  # refuse to start unless free disk >= estimate x margin
 
 
+# The registered draft algorithms (`eagle.algorithms.ALGORITHMS`, one module each); listed here so that a
+# config is validated without importing torch. tests/test_algorithms.py keeps the two in step.
+DRAFT_ALGORITHMS = ("eagle1", "eagle3")
+
+
 @dataclass
 class DraftConfig:
-    algorithm: str = "eagle3"  # eagle1 | eagle3
+    algorithm: str = "eagle3"  # one of DRAFT_ALGORITHMS
     # A trained head for eval/export/publish: a training output dir (best checkpoint), a checkpoint
     # dir, or an exported folder.
     path: str | None = None
@@ -251,7 +256,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     _choice("capture.dtype", cfg.capture.dtype, dtypes)
     _positive("capture.shard_size", cfg.capture.shard_size)
     _positive("capture.batch_tokens", cfg.capture.batch_tokens)
-    _choice("draft.algorithm", cfg.draft.algorithm, ("eagle1", "eagle3"))
+    _choice("draft.algorithm", cfg.draft.algorithm, DRAFT_ALGORITHMS)
     _positive("draft.draft_vocab_size", cfg.draft.draft_vocab_size)
     _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)
     if cfg.draft.aux_layer_ids is not None and len(cfg.draft.aux_layer_ids) != 3:

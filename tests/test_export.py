@@ -131,7 +131,7 @@ def test_eagle1_export_keys_and_round_trip(fmt, heads, target, tmp_path):
 
 
 def test_speculators_rejects_eagle1(heads, tmp_path):
-    with pytest.raises(ExportError, match="EAGLE-3 heads only"):
+    with pytest.raises(ExportError, match="format=speculators cannot express an EAGLE-1 head; export it with format=vllm"):
         export_head(heads["eagle1"], tmp_path / "s", "speculators")
 
 

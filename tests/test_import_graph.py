@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"config", "fileio", "assets", "precision", "artifacts"},  # leaves: names, typed config, files
     {"targets", "tracking"},  # the frozen target (load, facts); metric sinks
     {"heads"},  # draft-head modules
+    {"algorithms"},  # per algorithm: feature spec, loss, export names (registry by name)
     {"decode"},  # tree speculative decoding, continuous batching
     {"data"},  # conversations, templates, self-distillation (generates with `decode`)
     {"capture"},  # target features on disk

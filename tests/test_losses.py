@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle.heads.vocab import build_vocab_maps
-from eagle.train.losses import (
+from eagle.algorithms.losses import (
     add_feature_noise,
     eagle1_loss,
     eagle1_loss_reference,
@@ -14,6 +13,7 @@ from eagle.train.losses import (
     eagle3_loss_reference,
     shift_left,
 )
+from eagle.heads.vocab import build_vocab_maps
 
 
 def _grads(fn, *leaves):

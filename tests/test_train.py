@@ -84,15 +84,15 @@ def test_metric_sums_are_token_weighted():
 
 def _soft_ce_floor(batch, lm_head, steps, decay, token_weight, algorithm, pad_id) -> float:
     """The objective of a perfect head: the target distributions' entropies (CE = H + KL, KL >= 0)."""
-    from eagle.train.losses import shift_left
-    from eagle.train.trainer import _step_masks, aligned_inputs
+    from eagle.algorithms.base import aligned_inputs, step_masks
+    from eagle.algorithms.losses import shift_left
 
     a = aligned_inputs(batch, pad_id)
     with torch.no_grad():
         logp = torch.log_softmax(lm_head(shift_left(batch["final_hidden"], 1)).float(), -1)  # [B, T, V]
         ent = -(logp.exp() * logp).sum(-1)  # [B, T]
     floor = 0.0
-    for i, m in enumerate(_step_masks(a["loss_mask"], a["valid"], steps)):
+    for i, m in enumerate(step_masks(a["loss_mask"], a["valid"], steps)):
         h = float((shift_left(ent, i) * m).sum() / m.sum().clamp(min=1))
         floor += (token_weight if algorithm == "eagle1" else decay**i) * h
     return floor
@@ -103,10 +103,10 @@ def _soft_ce_floor(batch, lm_head, steps, decay, token_weight, algorithm, pad_id
 def test_loss_falls_on_a_fixed_batch(fam, algorithm):
     """Overfit one batch for 60 AdamW steps: the loss above its floor (the target's entropy) must
     halve, and the head's top-1 must agree with the target's on most positions."""
+    from eagle.algorithms import LossSettings, get_algorithm
     from eagle.capture.features import extract_features
     from eagle.config import DraftConfig
     from eagle.heads.io import build_head, head_config_from_target
-    from eagle.train.trainer import head_losses
 
     model, tok = make_model(fam)
     texts = [_CORPUS[1], _CORPUS[3] + _CORPUS[0]]
@@ -127,11 +127,11 @@ def test_loss_falls_on_a_fixed_batch(fam, algorithm):
     steps = 1 if algorithm == "eagle1" else 3
     floor = _soft_ce_floor(batch, lm_head, steps, 0.8, 0.1, algorithm, tok.pad_token_id)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    kw = dict(steps=steps, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0,
-              pad_id=tok.pad_token_id, norms=None)
+    settings = LossSettings(steps=steps, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0,
+                            pad_id=tok.pad_token_id)
     losses, accs = [], []
     for _ in range(60):
-        parts = head_losses(head, lm_head, batch, **kw)
+        parts = get_algorithm(algorithm).forward_loss(head, lm_head, batch, settings, norms=None)
         opt.zero_grad()
         parts.objective.backward()
         opt.step()

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from eagle.algorithms import get_algorithm
 from eagle.capture.store import SHARD_METADATA_KEY, SPLITS, member_path, read_manifest, verify_shard
+from eagle.config import ConfigError
 from eagle.errors import CaptureError
 from eagle.targets import TargetInfo, default_aux_layer_ids
 
@@ -32,8 +34,8 @@ def check_compatible(
 ) -> None:
     """Refuse a capture that cannot train a head of `algorithm` for this target.
 
-    EAGLE-1 needs the final state (every capture has it); EAGLE-3 needs aux states of exactly the
-    requested layers (None = the default layers for this target's depth).
+    Every capture holds the final state (all EAGLE-1 needs); an algorithm with aux layers (EAGLE-3)
+    needs aux states of exactly the requested layers (None = the default layers for this depth).
     """
     where = f"capture {data_dir}" if data_dir is not None else "the capture"
     if not manifest.get("complete", False):
@@ -49,17 +51,19 @@ def check_compatible(
         raise CaptureError(
             f"{where} has hidden size {target.get('hidden_size')}, the target has {target_info.hidden_size}"
         )
-    if algorithm == "eagle3":
+    try:
+        algo = get_algorithm(algorithm)
+    except ConfigError as e:
+        raise CaptureError(str(e)) from None
+    if algo.num_aux_layers:
         want = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(target_info.num_layers)
         have = manifest.get("aux_layer_ids")
         if "aux_hidden" not in manifest.get("features", {}) or have != want:
             raise CaptureError(
                 f"{where} holds aux layers {have} (algorithm={manifest.get('algorithm')}), "
-                f"EAGLE-3 training here needs draft.aux_layer_ids={want}; capture again with "
-                f"draft.algorithm=eagle3 draft.aux_layer_ids={want}"
+                f"{algo.title} training here needs draft.aux_layer_ids={want}; capture again with "
+                f"draft.algorithm={algo.name} draft.aux_layer_ids={want}"
             )
-    elif algorithm != "eagle1":
-        raise CaptureError(f"draft.algorithm={algorithm!r} is not one of eagle1, eagle3")
 
 
 class CaptureDataset(Dataset):

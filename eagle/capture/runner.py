@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from eagle.algorithms import get_algorithm
 from eagle.capture.features import check_layer_ids, extract_features
 from eagle.capture.store import (
     FORMAT,
@@ -39,7 +40,7 @@ from eagle.capture.store import (
     remove_stale_tmp,
     write_shard,
 )
-from eagle.config import CaptureConfig, RootConfig
+from eagle.config import CaptureConfig, ConfigError, RootConfig
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
 from eagle.targets import TargetInfo, default_aux_layer_ids
@@ -124,8 +125,8 @@ def plan_shards(splits: dict[str, Sequence[Conversation]], shard_size: int) -> l
 
 
 def feature_rows(algorithm: str) -> int:
-    """Hidden-size rows stored per token: final (EAGLE-1) or final + 3 aux layers (EAGLE-3)."""
-    return 4 if algorithm == "eagle3" else 1
+    """Hidden-size rows stored per token: the final state plus the algorithm's aux layers."""
+    return get_algorithm(algorithm).feature_rows()
 
 
 def estimate_bytes(tokens: int, algorithm: str, hidden_size: int, dtype: str) -> int:
@@ -152,8 +153,8 @@ def build_header(
 ) -> dict[str, Any]:
     """Everything in `manifest.json` except the shard list."""
     features = {"final_hidden": [info.hidden_size]}
-    if algorithm == "eagle3":
-        features["aux_hidden"] = [3, info.hidden_size]
+    if aux_layer_ids:
+        features["aux_hidden"] = [len(aux_layer_ids), info.hidden_size]
     splits = {}
     for split in SPLITS:
         mine = [j for j in jobs if j.split == split]
@@ -175,7 +176,7 @@ def build_header(
         },
         "data": data_identity,
         "algorithm": algorithm,
-        "aux_layer_ids": list(aux_layer_ids) if algorithm == "eagle3" else None,
+        "aux_layer_ids": list(aux_layer_ids) if aux_layer_ids else None,
         "features": features,
         "dtype": capture.dtype,
         "shard_size": capture.shard_size,
@@ -296,9 +297,11 @@ def capture_splits(
     """
     from tqdm.auto import tqdm
 
-    if algorithm not in ("eagle1", "eagle3"):
-        raise CaptureError(f"draft.algorithm={algorithm!r} is not one of eagle1, eagle3")
-    if algorithm == "eagle3":
+    try:
+        algo = get_algorithm(algorithm)
+    except ConfigError as e:
+        raise CaptureError(str(e)) from None
+    if algo.num_aux_layers:
         aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(info.num_layers)
         check_layer_ids(aux_layer_ids, info.num_layers)
     else:

@@ -26,6 +26,7 @@ from eagle.export.formats import (
     HEAD_CONFIG_FILE,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
+    algorithm_of,
     build_config,
     expected_tensors,
     hub_id_for_target,
@@ -162,20 +163,14 @@ def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, 
     if unknown:
         raise ExportError(f"the head has tensors the {fmt} format has no place for: {unknown}; exporting would "
                           "drop them")
-    tensors = dict(tensors)
-    if cfg.algorithm == "eagle3" and "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
-        # A full-vocabulary head: identity maps, so every runtime reads the same thing.
-        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    if fmt == "vllm" and cfg.algorithm == "eagle1" and "fc.bias" in tensors:
-        bias = tensors.pop("fc.bias")
-        if bool(bias.abs().max() > 0):
-            raise ExportError("vLLM's EAGLE-1 model (EagleLlamaForCausalLM) builds fc without a bias, and this "
-                              f"head's fc.bias is non-zero (max |b| = {float(bias.abs().max()):.3g}): a vLLM "
-                              "export would change its outputs. Use format=sglang (fc with bias) or format=hf.")
-    missing = sorted(set(spec) - set(tensors) - ({"fc.bias"} if fmt == "vllm" else set()))
+    algo = algorithm_of(cfg)
+    # What the format may leave out takes the value its absence means (a full-vocabulary EAGLE-3
+    # head gets identity maps, so every runtime reads the same thing).
+    tensors = {**algo.default_tensors(cfg, fmt), **tensors}
+    missing = sorted(set(spec) - set(tensors))
     if missing:
         raise ExportError(f"the head lacks tensors {missing} required by its config")
+    tensors = algo.export_tensors(cfg, tensors, fmt)  # e.g. vLLM's EAGLE-1 has no fc bias
     out = {}
     for name, t in tensors.items():
         out[to_format_name(name, fmt, cfg.algorithm)] = _cast(name, t, spec[name][1], _DTYPES[dtype])

@@ -41,9 +41,11 @@ from typing import Any
 
 import torch
 
+from eagle.algorithms import ALGORITHMS, Algorithm, get_algorithm
 from eagle.artifacts import EXPORT_CONFIG, HEAD_CONFIG, HEAD_WEIGHTS
+from eagle.config import ConfigError
 from eagle.errors import ExportError
-from eagle.heads.base import HeadConfig
+from eagle.heads.base import HEADS, HeadConfig
 
 FORMATS = ("vllm", "sglang", "speculators", "hf")
 WEIGHTS_FILE = HEAD_WEIGHTS
@@ -52,11 +54,6 @@ CONFIG_FILE = EXPORT_CONFIG
 EXPORT_META_KEY = "eagle_export"  # our own block in config.json: canonical HeadConfig + format
 SPECULATORS_EMBED = "embed_tokens.weight"  # the target's input embedding, stored in speculators folders
 
-EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-EAGLE1_ARCHS = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
-ARCHITECTURE = {("vllm", "eagle3"): "LlamaForCausalLMEagle3", ("sglang", "eagle3"): "LlamaForCausalLMEagle3",
-                ("vllm", "eagle1"): "EagleLlamaForCausalLM", ("sglang", "eagle1"): "LlamaForCausalLMEagle",
-                ("hf", "eagle3"): "LlamaForCausalLMEagle3", ("hf", "eagle1"): "EagleLlamaForCausalLM"}
 
 # Built-in target names -> the Hub id of the same model (for base_model / verifier fields).
 BUILTIN_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -68,67 +65,49 @@ def hub_id_for_target(target_path: str) -> str:
 
 
 # --- tensor layout ---------------------------------------------------------------------------------
+def algorithm_of(cfg: HeadConfig) -> Algorithm:
+    """The registered algorithm of `cfg`; ExportError for a name eagle does not know."""
+    try:
+        return get_algorithm(cfg.algorithm)
+    except ConfigError:
+        raise ExportError(f"unknown head algorithm {cfg.algorithm!r} (expected one of {', '.join(ALGORITHMS)})") from None
+
+
 def expected_tensors(cfg: HeadConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Our parameter name -> (shape, kind) for a head of `cfg`; kind is float | int | bool.
 
-    This is the complete set of tensors a head of this config owns; the exporter refuses a head
-    whose state dict has anything else (an export must never drop weights silently).
+    Read off the head module itself, built on the meta device (no memory, no init): this is the
+    complete set of tensors a head of this config owns, and the exporter refuses a head whose state
+    dict has anything else (an export must never drop weights silently).
     """
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    if cfg.algorithm == "eagle3":
-        layer, attn_in = "midlayer.", 2 * h
-        out["fc.weight"] = ((h, len(cfg.aux_layer_ids or [0, 0, 0]) * cfg.target_hidden_size), "float")
-        out[layer + "input_layernorm.weight"] = ((h,), "float")
-        out[layer + "hidden_norm.weight"] = ((h,), "float")
-    elif cfg.algorithm == "eagle1":
-        layer, attn_in = "layers.0.", h
-        out["fc.weight"] = ((h, 2 * h), "float")
-        out["fc.bias"] = ((h,), "float")
-    else:
-        raise ExportError(f"unknown head algorithm {cfg.algorithm!r} (expected eagle1 or eagle3)")
-    for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-        out[f"{layer}self_attn.{name}.weight"] = ((rows, attn_in), "float")
-        if cfg.attention_bias:
-            out[f"{layer}self_attn.{name}.bias"] = ((rows,), "float")
-    out[f"{layer}self_attn.o_proj.weight"] = ((h, q_out), "float")
-    out[f"{layer}post_attention_layernorm.weight"] = ((h,), "float")
-    out[f"{layer}mlp.gate_proj.weight"] = ((i, h), "float")
-    out[f"{layer}mlp.up_proj.weight"] = ((i, h), "float")
-    out[f"{layer}mlp.down_proj.weight"] = ((h, i), "float")
-    if cfg.algorithm == "eagle3":
-        out["norm.weight"] = ((h,), "float")
-        out["lm_head.weight"] = ((cfg.draft_vocab_size, h), "float")
-        out["d2t"] = ((cfg.draft_vocab_size,), "int")
-        out["t2d"] = ((cfg.vocab_size,), "bool")
-    return out
+    algo = algorithm_of(cfg)
+    if algo.num_aux_layers and len(cfg.aux_layer_ids) != algo.num_aux_layers:
+        # A third-party folder without aux ids: the tensor shapes depend only on how many there are.
+        cfg = dataclasses.replace(cfg, aux_layer_ids=list(range(algo.num_aux_layers)))
+    with torch.device("meta"):
+        head = HEADS[cfg.algorithm](cfg)
+    return {name: (tuple(t.shape), tensor_kind(t)) for name, t in head.trainable_state_dict().items()}
 
 
 def to_format_name(name: str, fmt: str, algorithm: str) -> str:
     """Our tensor name -> the name a format stores it under."""
-    if fmt == "speculators" and algorithm == "eagle3" and name.startswith("midlayer."):
-        return "layers.0." + name[len("midlayer."):]
-    return name
+    return get_algorithm(algorithm).export_tensor_name(name, fmt)
 
 
 def from_format_name(name: str, algorithm: str) -> str:
     """A stored tensor name (any supported format or third-party variant) -> our name."""
     if name.startswith("model."):  # some third-party checkpoints keep the runtime's wrapper prefix
         name = name[len("model."):]
-    if algorithm == "eagle3" and name.startswith("layers.0."):
-        return "midlayer." + name[len("layers.0."):]
-    return name
+    return get_algorithm(algorithm).canonical_tensor_name(name)
 
 
 def format_keys(cfg: HeadConfig, fmt: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Stored name -> (shape, kind) a `fmt` folder for a head of `cfg` must hold, exactly."""
-    spec = expected_tensors(cfg)
-    if fmt == "vllm" and cfg.algorithm == "eagle1":
-        spec.pop("fc.bias")  # vLLM's EagleLlamaForCausalLM builds fc without a bias
+    algo = algorithm_of(cfg)
+    spec = algo.format_tensors(expected_tensors(cfg), fmt)
     if fmt == "speculators":
         spec[SPECULATORS_EMBED] = ((cfg.vocab_size, cfg.hidden_size), "float")  # the target's, see above
-    return {to_format_name(k, fmt, cfg.algorithm): v for k, v in spec.items()}
+    return {algo.export_tensor_name(k, fmt): v for k, v in spec.items()}
 
 
 # --- config.json -----------------------------------------------------------------------------------
@@ -174,13 +153,14 @@ def export_meta(cfg: HeadConfig, fmt: str) -> dict[str, Any]:
 def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
                  speculative_tokens: int = 4) -> dict[str, Any]:
     """config.json for `fmt`. `verifier` = {"name_or_path", "architectures"} (speculators only)."""
+    algo = algorithm_of(cfg)
+    if fmt not in algo.export_formats:
+        raise ExportError(f"format={fmt} cannot express an {algo.title} head; export it with format="
+                          + " | ".join(algo.export_formats))
     if fmt == "speculators":
-        if cfg.algorithm != "eagle3":
-            raise ExportError("format=speculators holds EAGLE-3 heads only; export EAGLE-1 with format=vllm, "
-                              "sglang or hf")
         verifier = verifier or {"name_or_path": None, "architectures": []}
         return {
-            "speculators_model_type": "eagle3",
+            "speculators_model_type": algo.speculators_model_type,
             "architectures": ["Eagle3Speculator"],
             "transformer_layer_config": llama_layer_config(cfg, dtype),
             "draft_vocab_size": cfg.draft_vocab_size,
@@ -193,7 +173,7 @@ def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any]
             "embed_requires_grad": False,
             "torch_dtype": dtype,
             "speculators_config": {
-                "algorithm": "eagle3",
+                "algorithm": algo.speculators_model_type,
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
@@ -203,42 +183,32 @@ def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any]
             EXPORT_META_KEY: export_meta(cfg, fmt),
         }
     out = llama_layer_config(cfg, dtype)
-    out["architectures"] = [ARCHITECTURE[(fmt, cfg.algorithm)]]
-    if cfg.algorithm == "eagle3":
-        out["draft_vocab_size"] = cfg.draft_vocab_size
-        out["target_hidden_size"] = cfg.target_hidden_size
-        out["norm_before_residual"] = False
-        if fmt == "sglang":
-            # SGLang captures layer (id + 1)'s input for each id listed here.
-            out["eagle_config"] = {"use_aux_hidden_state": True,
-                                   "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
-        else:
-            out["eagle_config"] = {"use_aux_hidden_state": True}
-            out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
-    else:
-        out["eagle_fc_bias"] = fmt != "vllm"
+    out["architectures"] = [algo.architectures[fmt]]
+    out.update(algo.config_fields(cfg, fmt))
     out[EXPORT_META_KEY] = export_meta(cfg, fmt)
     return out
 
 
 # --- reading any folder's config -------------------------------------------------------------------
 def detect_algorithm(config: dict[str, Any], where: str) -> str:
-    """eagle1 | eagle3 from a config.json (ours, vLLM/SGLang-style or speculators)."""
+    """The algorithm name from a config.json (ours, vLLM/SGLang-style or speculators)."""
     meta = config.get(EXPORT_META_KEY)
     if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
         return str(meta["head_config"].get("algorithm"))
     if "speculators_model_type" in config:
-        if config["speculators_model_type"] != "eagle3":
-            raise ExportError(f"{where}: speculators_model_type={config['speculators_model_type']!r} is not "
-                              "supported (only eagle3)")
-        return "eagle3"
+        kind = config["speculators_model_type"]
+        for algo in ALGORITHMS.values():
+            if algo.speculators_model_type and algo.speculators_model_type == kind:
+                return algo.name
+        known = [a.speculators_model_type for a in ALGORITHMS.values() if a.speculators_model_type]
+        raise ExportError(f"{where}: speculators_model_type={kind!r} is not supported (only {', '.join(known)})")
     archs = config.get("architectures") or []
-    if any(a in EAGLE3_ARCHS for a in archs):
-        return "eagle3"
-    if any(a in EAGLE1_ARCHS for a in archs):
-        return "eagle1"
+    for algo in ALGORITHMS.values():
+        if any(a in algo.known_architectures for a in archs):
+            return algo.name
+    known = [a for algo in ALGORITHMS.values() for a in algo.known_architectures]
     raise ExportError(f"{where}: architectures={archs} is not an EAGLE draft head (expected one of "
-                      f"{', '.join(EAGLE3_ARCHS + EAGLE1_ARCHS)}, or a speculators config)")
+                      f"{', '.join(known)}, or a speculators config)")
 
 
 def _rope_from(layer: dict[str, Any]) -> dict[str, Any]:
@@ -267,6 +237,7 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
         except (TypeError, ValueError) as e:
             raise ExportError(f"{where}: {EXPORT_META_KEY}.head_config is invalid: {e}") from e
     algorithm = detect_algorithm(config, where)
+    num_aux = get_algorithm(algorithm).num_aux_layers
     fmt = "speculators" if "speculators_model_type" in config else "third-party"
     layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
     if not isinstance(layer, dict):
@@ -288,7 +259,7 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
         elif isinstance(config.get("eagle_config"), dict) and config["eagle_config"].get(
                 "eagle_aux_hidden_state_layer_ids"):
             aux = [int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-        elif algorithm == "eagle3" and num_target_layers is not None:
+        elif num_aux and num_target_layers is not None:
             from eagle.targets import default_aux_layer_ids
 
             aux = default_aux_layer_ids(num_target_layers)
@@ -307,7 +278,7 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
             attention_bias=bool(layer.get("attention_bias", False)),
             max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
             rope_parameters=_rope_from(layer),
-            aux_layer_ids=aux if algorithm == "eagle3" else [],
+            aux_layer_ids=aux if num_aux else [],
         )
     except KeyError as e:
         raise ExportError(f"{where}: config field {e.args[0]!r} is missing") from e

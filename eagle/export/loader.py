@@ -15,6 +15,7 @@ import torch
 
 from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.errors import CheckpointError, ExportError
+from eagle.export.formats import algorithm_of
 from eagle.export.validate import check_folder
 from eagle.heads.base import DraftHead
 from eagle.heads.io import load_head
@@ -46,10 +47,9 @@ def load_exported_head(folder: str | Path, target_model: Any, map_location: str 
     head = HEADS[cfg.algorithm](cfg)
     state = dict(head_data.tensors)
     own = head.trainable_state_dict()
-    if cfg.algorithm == "eagle1" and "fc.bias" not in state:  # a vLLM-style EAGLE-1 folder
-        state["fc.bias"] = torch.zeros_like(own["fc.bias"])
-    if cfg.algorithm == "eagle3" and "d2t" not in state:  # full vocabulary, no maps stored
-        state["d2t"], state["t2d"] = own["d2t"], own["t2d"]
+    # What the folder's format may leave out (vLLM's EAGLE-1 fc bias, a full vocabulary's maps).
+    for name, value in algorithm_of(cfg).default_tensors(cfg, head_data.format).items():
+        state.setdefault(name, value)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ExportError(f"{folder}: tensors do not match an {cfg.algorithm} head: missing {missing}, "

@@ -19,7 +19,7 @@ import yaml
 from eagle.artifacts import MANIFEST, REPORT, TRAIN_CONFIG
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
-from eagle.export.formats import SPECULATORS_EMBED, hub_id_for_target
+from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
 from eagle.export.validate import ExportedHead, check_folder
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     if datasets:
         meta["datasets"] = datasets
     name = repo_id or "<repo-id>"
-    algo = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1"}[c.algorithm]
+    spec = algorithm_of(c)
+    algo = spec.title
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
              f"# {algo} draft head for {target}", "",
              f"A speculative-decoding draft head ({algo}) for [{target}](https://huggingface.co/{target}), "
@@ -166,15 +167,15 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
              f"intermediate {c.intermediate_size}, one decoder layer",
              f"- target vocabulary {c.vocab_size}, draft vocabulary {c.draft_vocab_size}",
              ]
-    if c.algorithm == "eagle3":
+    if c.aux_layer_ids:
         lines.append(f"- target feature layers (input of decoder layer i): {c.aux_layer_ids}")
     lines += ["", "## Usage", ""]
-    method = "eagle3" if c.algorithm == "eagle3" else "eagle"
+    method = spec.vllm_method
     if fmt in ("vllm", "speculators"):
         lines += ["```bash", f"vllm serve {target} --speculative-config "
                   f"'{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": 4}}'", "```"]
     elif fmt == "sglang":
-        algo_flag = "EAGLE3" if c.algorithm == "eagle3" else "EAGLE"
+        algo_flag = spec.sglang_algorithm
         lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
                   f"--speculative-draft-model-path {name} --speculative-num-steps 4 --speculative-eagle-topk 4 "
                   "--speculative-num-draft-tokens 16", "```"]

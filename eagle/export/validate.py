@@ -23,6 +23,7 @@ from eagle.export.formats import (
     HEAD_CONFIG_FILE,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
+    algorithm_of,
     build_config,
     expected_tensors,
     format_keys,
@@ -108,9 +109,10 @@ def read_folder(folder: str | Path, num_target_layers: int | None = None) -> Exp
     stored = read_tensors(folder)
     tensors: dict[str, torch.Tensor] = {}
     borrowed: dict[str, torch.Tensor] = {}
+    own = expected_tensors(cfg)
     for name, t in stored.items():
         ours = from_format_name(name, cfg.algorithm)
-        if ours in _BORROWED and not (cfg.algorithm == "eagle3" and ours == "lm_head.weight"):
+        if ours in _BORROWED and ours not in own:  # the target's (EAGLE-3 has its own lm_head)
             borrowed[ours] = t
             continue
         if ours in tensors:
@@ -149,12 +151,13 @@ def _check_our_config(head: ExportedHead, dtype: str | None) -> None:
                               f"({value!r})")
     if head.format == "speculators":
         spec = raw.get("speculators_config")
+        kind = algorithm_of(head.config).speculators_model_type
         try:
             assert int(spec["proposal_methods"][0]["speculative_tokens"]) >= 1
             assert spec["verifier"]["name_or_path"]
-            assert spec["algorithm"] == "eagle3"
+            assert spec["algorithm"] == kind
         except (KeyError, IndexError, TypeError, AssertionError, ValueError) as e:
-            raise ExportError(f"{where}: speculators_config needs algorithm=eagle3, proposal_methods[0]."
+            raise ExportError(f"{where}: speculators_config needs algorithm={kind}, proposal_methods[0]."
                               "speculative_tokens >= 1 and verifier.name_or_path") from e
 
 
@@ -169,21 +172,18 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
     cfg, where = head.config, head.folder
     if expect_format is not None and head.format != expect_format:
         raise ExportError(f"{where} is a {head.format!r} folder, expected format={expect_format!r}")
-    if cfg.algorithm == "eagle3":
-        if head.format != "third-party" and len(cfg.aux_layer_ids) != 3:
-            raise ExportError(f"{where}: EAGLE-3 needs 3 aux layer ids, config has {cfg.aux_layer_ids}")
-        if cfg.aux_layer_ids and (len(set(cfg.aux_layer_ids)) != 3 or min(cfg.aux_layer_ids) < 0):
-            raise ExportError(f"{where}: aux layer ids {cfg.aux_layer_ids} must be 3 distinct ids >= 0")
+    algo = algorithm_of(cfg)
+    if n := algo.num_aux_layers:
+        if head.format != "third-party" and len(cfg.aux_layer_ids) != n:
+            raise ExportError(f"{where}: {algo.title} needs {n} aux layer ids, config has {cfg.aux_layer_ids}")
+        if cfg.aux_layer_ids and (len(set(cfg.aux_layer_ids)) != n or min(cfg.aux_layer_ids) < 0):
+            raise ExportError(f"{where}: aux layer ids {cfg.aux_layer_ids} must be {n} distinct ids >= 0")
         if not cfg.aux_layer_ids:
             head.notes.append("no aux layer ids in the config: runtimes use their default (2, L//2, L-3)")
     if cfg.draft_vocab_size > cfg.vocab_size:
         raise ExportError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
     spec = expected_tensors(cfg)
-    optional: set[str] = set()
-    if cfg.algorithm == "eagle3" and cfg.draft_vocab_size == cfg.vocab_size:
-        optional |= {"d2t", "t2d"}  # a full-vocabulary head needs no maps
-    if cfg.algorithm == "eagle1" and head.format in ("vllm", "third-party"):
-        optional.add("fc.bias")  # vLLM's EAGLE-1 has no fc bias; old checkpoints often do
+    optional = set(algo.default_tensors(cfg, head.format))  # e.g. no maps for a full vocabulary
     missing = sorted(set(spec) - set(head.tensors) - optional)
     if missing:
         raise ExportError(f"{where}: required tensors missing: {', '.join(missing)} (a runtime that skips "

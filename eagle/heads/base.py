@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -68,9 +69,16 @@ class HeadConfig:
 
 
 class DraftHead(nn.Module, ABC):
-    """One draft-head implementation per algorithm; sizes come from `HeadConfig`."""
+    """One draft-head implementation per algorithm; sizes come from `HeadConfig`.
 
-    algorithm: ClassVar[str]
+    A subclass declares what it reads and drafts from, so no caller compares algorithm names:
+    `fused_layers` (the target's low/mid/high aux layers, `HeadConfig.aux_layer_ids`, instead of
+    its final state alone) and `reduced_vocab` (may draft from a subset of the vocabulary).
+    """
+
+    algorithm: ClassVar[str]  # the `draft.algorithm` / `HeadConfig.algorithm` name it is registered under
+    fused_layers: ClassVar[bool] = False
+    reduced_vocab: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
@@ -110,6 +118,10 @@ class DraftHead(nn.Module, ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, H] output hidden -> [B, T, draft_vocab_size] logits."""
 
+    def init_from_target(self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None,
+                         special_ids: Sequence[int] | None) -> None:
+        """Initialisation that depends on the target or the data (`build_head`); none by default."""
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
         d2t = getattr(self, "d2t", None)
@@ -120,6 +132,17 @@ class DraftHead(nn.Module, ABC):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own weights (and vocab maps), without anything borrowed from the target."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}
+
+
+HEADS: dict[str, type[DraftHead]] = {}
+
+
+def register_head(cls: type[DraftHead]) -> type[DraftHead]:
+    """Class decorator: make `cls` buildable and loadable by its `algorithm` name."""
+    if cls.algorithm in HEADS and HEADS[cls.algorithm] is not cls:
+        raise ValueError(f"two draft heads registered as {cls.algorithm!r}: {HEADS[cls.algorithm]} and {cls}")
+    HEADS[cls.algorithm] = cls
+    return cls
 
 
 class BorrowedModules(dict):

@@ -16,10 +16,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
+from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RotaryEmbedding
 
 
+@register_head
 class Eagle1Head(DraftHead):
     """The EAGLE-1 head; token embeddings and LM head borrowed from the target."""
 

@@ -11,19 +11,28 @@ Both are buffers saved with the head (vLLM / SGLang read them under these names)
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
+from eagle.config import ConfigError
+from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
+
+log = logging.getLogger(__name__)
 
 
+@register_head
 class Eagle3Head(DraftHead):
     """The EAGLE-3 head; sizes from `HeadConfig`, token embeddings borrowed from the target."""
 
     algorithm: ClassVar[str] = "eagle3"
+    fused_layers: ClassVar[bool] = True
+    reduced_vocab: ClassVar[bool] = True
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)
@@ -61,6 +70,33 @@ class Eagle3Head(DraftHead):
         """Install the draft vocabulary maps (see `eagle.heads.vocab.build_vocab_maps`)."""
         self.d2t.copy_(d2t.to(self.d2t))
         self.t2d.copy_(t2d.to(self.t2d))
+
+    def init_from_target(self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None,
+                         special_ids: Sequence[int] | None) -> None:
+        """Choose the draft vocabulary (a reduced one needs the training data's token counts [V];
+        special ids, default the target's eos/bos/pad, are always kept) and start `lm_head` from the
+        target's LM-head rows of that vocabulary."""
+        cfg = self.config
+        if cfg.draft_vocab_size < cfg.vocab_size:
+            if vocab_counts is None:
+                raise ConfigError(f"draft.draft_vocab_size={cfg.draft_vocab_size} < vocabulary "
+                                  f"{cfg.vocab_size}: token counts of the training data are needed to "
+                                  "choose the draft vocabulary (or set draft.draft_vocab_size=null)")
+            if vocab_counts.numel() != cfg.vocab_size:
+                raise ConfigError(f"vocab_counts has {vocab_counts.numel()} entries, the target vocabulary "
+                                  f"{cfg.vocab_size}")
+            if special_ids is None:
+                special_ids = special_token_ids(target_model) if target_model is not None else []
+            ids, d2t, t2d = draft_vocab_from_counts(vocab_counts.cpu(), cfg.draft_vocab_size, special_ids)
+            self.set_draft_vocab(d2t, t2d)
+            log.info("draft vocabulary: %d ids cover %.1f%% of the training tokens",
+                     ids.numel(), 100 * coverage(vocab_counts.cpu(), t2d))
+        if target_model is not None:
+            out = target_model.get_output_embeddings()
+            if out is not None and out.weight.shape[0] >= cfg.vocab_size:
+                with torch.no_grad():
+                    rows = out.weight[: cfg.vocab_size][self.t2d.to(out.weight.device)]  # [Vd, H]
+                    self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
 
     # --- the four steps ------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -22,15 +22,12 @@ from safetensors.torch import load_file, save_file
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
-from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.eagle1 import Eagle1Head
-from eagle.heads.eagle3 import Eagle3Head
-from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
+from eagle.heads import eagle1, eagle3  # noqa: F401  (register the head classes)
+from eagle.heads.base import HEADS, DraftHead, HeadConfig
 from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
 
 log = logging.getLogger(__name__)
 
-HEADS: dict[str, type[DraftHead]] = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}
 WEIGHTS_NAME = HEAD_WEIGHTS
 CONFIG_NAME = HEAD_CONFIG
 _EXTRA_KEY = "eagle_extra"
@@ -59,29 +56,32 @@ def head_config_from_target(
 ) -> HeadConfig:
     """A `HeadConfig` sized from the target's HF config; model families differ only in these numbers.
 
-    EAGLE-1 always uses the full target vocabulary (`draft.draft_vocab_size` is ignored);
-    EAGLE-3 uses `draft.draft_vocab_size` (None = full vocabulary).
+    A head without `reduced_vocab` (EAGLE-1) uses the full target vocabulary (`draft.draft_vocab_size`
+    is ignored); one with it (EAGLE-3) uses `draft.draft_vocab_size` (None = full vocabulary). A head
+    with `fused_layers` reads `draft.aux_layer_ids` (None = the target's default three).
     """
     text = text_config(target_config)
     algo = draft_cfg.algorithm
     if algo not in HEADS:
         raise ConfigError(f"draft.algorithm={algo!r} is not one of {', '.join(HEADS)}")
+    head_cls = HEADS[algo]
     hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
     n_heads = text.num_attention_heads
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
     head_dim = getattr(text, "head_dim", None) or hidden // n_heads
     draft_vocab = vocab
     aux: list[int] = []
-    if algo == "eagle3":
+    if head_cls.reduced_vocab:
         draft_vocab = draft_cfg.draft_vocab_size or vocab
         if draft_vocab > vocab:
             raise ConfigError(f"draft.draft_vocab_size={draft_vocab} exceeds the target's vocabulary ({vocab}); "
                               f"set draft.draft_vocab_size<={vocab} or null for the full vocabulary")
+    if head_cls.fused_layers:
         if draft_cfg.aux_layer_ids is None:
             try:
                 aux = default_aux_layer_ids(layers)
             except ValueError as e:
-                raise ConfigError(f"draft.algorithm=eagle3: {e}") from e
+                raise ConfigError(f"draft.algorithm={algo}: {e}") from e
         else:
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
@@ -116,38 +116,18 @@ def build_head(
 ) -> DraftHead:
     """A freshly initialised head.
 
-    EAGLE-3 with a reduced vocabulary needs `vocab_counts` [V] (see `eagle.heads.vocab.count_tokens`)
-    to choose the draft vocabulary; special ids (default: eos/bos/pad of `target_model`) are always
-    kept. Its lm_head starts from the target's LM-head rows of the draft vocabulary. With a
-    `target_model` the head is attached to it (embeddings, EAGLE-1's LM head).
+    A head with a reduced vocabulary (EAGLE-3, draft_vocab_size < vocab_size) needs `vocab_counts`
+    [V] (see `eagle.heads.vocab.count_tokens`) to choose it; special ids (default: eos/bos/pad of
+    `target_model`) are always kept, and its lm_head starts from the target's LM-head rows of the
+    draft vocabulary (`DraftHead.init_from_target`). With a `target_model` the head is attached to
+    it (embeddings, EAGLE-1's LM head).
     """
     if head_cfg.algorithm not in HEADS:
         raise ConfigError(f"unknown draft algorithm {head_cfg.algorithm!r}; known: {', '.join(HEADS)}")
     if target_model is not None:
         check_head_fits_target(head_cfg, target_model)
     head = HEADS[head_cfg.algorithm](head_cfg)
-    if isinstance(head, Eagle3Head):
-        reduced = head_cfg.draft_vocab_size < head_cfg.vocab_size
-        if reduced and vocab_counts is None:
-            raise ConfigError(f"draft.draft_vocab_size={head_cfg.draft_vocab_size} < vocabulary "
-                              f"{head_cfg.vocab_size}: token counts of the training data are needed to "
-                              "choose the draft vocabulary (or set draft.draft_vocab_size=null)")
-        if reduced:
-            if vocab_counts.numel() != head_cfg.vocab_size:
-                raise ConfigError(f"vocab_counts has {vocab_counts.numel()} entries, the target vocabulary "
-                                  f"{head_cfg.vocab_size}")
-            if special_ids is None:
-                special_ids = special_token_ids(target_model) if target_model is not None else []
-            ids, d2t, t2d = draft_vocab_from_counts(vocab_counts.cpu(), head_cfg.draft_vocab_size, special_ids)
-            head.set_draft_vocab(d2t, t2d)
-            log.info("draft vocabulary: %d ids cover %.1f%% of the training tokens",
-                     ids.numel(), 100 * coverage(vocab_counts.cpu(), t2d))
-        if target_model is not None:
-            out = target_model.get_output_embeddings()
-            if out is not None and out.weight.shape[0] >= head_cfg.vocab_size:
-                with torch.no_grad():
-                    rows = out.weight[: head_cfg.vocab_size][head.t2d.to(out.weight.device)]  # [Vd, H]
-                    head.lm_head.weight.copy_(rows.to(head.lm_head.weight))
+    head.init_from_target(target_model, vocab_counts, special_ids)
     if target_model is not None:
         head.attach_target(target_model)
     return head

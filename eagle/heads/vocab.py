@@ -8,7 +8,7 @@ order, and draft id d maps back to target id d + d2t[d] (the vLLM / SGLang conve
 
 Tokens outside the draft vocabulary cannot be drafted. In training their probability mass is
 dropped: the soft target is the target distribution renormalised over the draft vocabulary (see
-`eagle.train.losses`), and `coverage` reports which share of the counted tokens the draft
+`eagle.algorithms.losses`), and `coverage` reports which share of the counted tokens the draft
 vocabulary covers, so a too-small vocabulary is visible.
 """
 

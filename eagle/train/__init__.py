@@ -1,1 +1,2 @@
-"""Training maths for draft heads: losses (`eagle.train.losses`) and training-time test (`eagle.train.ttt`)."""
+"""The draft-head trainer (`trainer.train`): batches, checkpoints, resume checks, schedule, metrics.
+The maths each algorithm trains with (losses, training-time test) lives in `eagle.algorithms`."""

@@ -41,16 +41,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagle.algorithms import LossParts, LossSettings, get_algorithm
+from eagle.algorithms.base import aligned_inputs, step_masks
 from eagle.config import ConfigError, RootConfig
 from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
 from eagle.train import checkpoint as ckpt
 from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit, eval_batches
-from eagle.train.losses import add_feature_noise, eagle1_loss, eagle3_loss, shift_left
 from eagle.train.metrics import MetricSums
 from eagle.train.resume import check_resume, follow_schedule, run_record
 from eagle.train.schedule import build_optimizer, build_scheduler
-from eagle.train.ttt import ttt_forward
 
 log = logging.getLogger(__name__)
 
@@ -81,137 +81,32 @@ class TrainHooks:
 
 
 # --------------------------------------------------------------------------------------- losses
-def _step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """[B, T] masks of the positions that count at each unroll step (as in `eagle.train.losses`)."""
-    return [shift_left(loss_mask, i, False) & valid for i in range(steps)]
-
-
-def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:
-    """Shift a collated batch to the head's alignment (`eagle.heads.base`): index t reads x_{t+1}
-    and f_t and predicts x_{t+2}."""
-    attn = batch["attention_mask"].to(torch.bool)  # [B, T]
-    return {
-        "input_ids": shift_left(batch["input_ids"], 1, pad_id),  # [B, T] x_{t+1}
-        "valid": shift_left(attn, 1, False),  # [B, T] x_{t+1} is a real token
-        "loss_mask": shift_left(batch["loss_mask"].to(torch.bool), 2, False),  # [B, T] x_{t+2} is a target
-    }
-
-
-@dataclass
-class LossParts:
-    objective: torch.Tensor  # scalar, already divided by the global token counts `norms`
-    step_loss: list[float]  # per step: sum of token losses
-    step_correct: list[float]
-    step_tokens: list[float]
-    extra: dict[str, float]  # per-token extras x step-0 tokens
-    finite: bool
-
-
-def head_losses(
-    head: DraftHead,
-    lm_head: nn.Module,
-    batch: dict[str, Any],
-    *,
-    steps: int,
-    decay: float,
-    feature_weight: float,
-    token_weight: float,
-    noise_std: float,
-    pad_id: int,
-    norms: torch.Tensor | None,  # [steps] global loss-token counts; None = this batch's own counts
-    label_rows: torch.Tensor | None = None,  # [Vd, H] LM-head rows of the draft vocabulary (training)
-) -> LossParts:
-    """Loss of one collated micro-batch with features, for either algorithm.
-
-    EAGLE-3: `steps`-step training-time-test unroll, sum_i decay^i soft CE against the target's
-    distribution on the draft vocabulary. EAGLE-1 with steps == 1 (training): smooth-L1 feature
-    loss + soft CE, on noisy input features; with steps > 1 (evaluation) the head is also unrolled
-    on its own predicted features to measure acc_1.. (its step-0 numbers are the training ones).
-    """
-    a = aligned_inputs(batch, pad_id)
-    algo = head.config.algorithm
-    if algo == "eagle3":
-        hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
-    else:
-        feats = add_feature_noise(batch["final_hidden"], noise_std, training=noise_std > 0)  # [B, T, H]
-        hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
-    outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], steps, pad_token_id=pad_id)  # steps x [B, T, H]
-    with torch.no_grad():
-        next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
-
-    counts = [int(m.sum()) for m in _step_masks(a["loss_mask"], a["valid"], steps)]
-    norms_list = [max(1.0, float(x)) for x in (norms.tolist() if norms is not None else counts)]
-    extra: dict[str, float] = {}
-    if algo == "eagle1" and steps == 1:
-        r1 = eagle1_loss(outs[0], next_feature, lm_head.weight, a["loss_mask"] & a["valid"],
-                         feature_weight, token_weight)
-        objective = r1.loss * (r1.count / norms_list[0])
-        step_loss = [float(r1.token_loss.detach()) * r1.count]
-        step_correct = [round(float(r1.accuracy) * r1.count)]
-        step_tokens = [float(r1.count)]
-        extra["feature_loss"] = float(r1.feature_loss.detach()) * r1.count
-        finite = bool(torch.isfinite(r1.loss.detach()))
-    else:
-        step_logits = [head.logits(o) for o in outs]  # steps x [B, T, Vd]
-        if label_rows is not None:
-            # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns):
-            # the same renormalised target distribution; accuracy is then against the target's best
-            # draft-vocabulary token (equal to the full top-1 whenever that is in the draft vocab).
-            with torch.no_grad():
-                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [B, T, Vd]
-            vd = label_rows.shape[0]
-            t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
-            d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
-        elif algo == "eagle3":
-            with torch.no_grad():
-                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
-            t2d, d2t = head.t2d, head.d2t
-        else:  # EAGLE-1 drafts from the full vocabulary
-            with torch.no_grad():
-                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
-            t2d = torch.ones(target_logits.shape[-1], dtype=torch.bool, device=target_logits.device)
-            d2t = torch.zeros(target_logits.shape[-1], dtype=torch.long, device=target_logits.device)
-        r3 = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
-        objective = sum(decay**i * r3.step_losses[i] * (counts[i] / norms_list[i]) for i in range(steps))
-        step_loss = [float(x.detach()) * n for x, n in zip(r3.step_losses, r3.step_counts, strict=True)]
-        step_correct = [round(float(x) * n) for x, n in zip(r3.step_accuracy, r3.step_counts, strict=True)]
-        step_tokens = [float(n) for n in r3.step_counts]
-        if r3.coverage is not None and algo == "eagle3" and label_rows is None:
-            extra["coverage"] = float(r3.coverage) * r3.step_counts[0]
-        if algo == "eagle1":  # evaluation of EAGLE-1: the feature loss of step 0 as in training
-            m = a["loss_mask"] & a["valid"]
-            diff = torch.nn.functional.smooth_l1_loss(outs[0][m].float(), next_feature[m].float(), reduction="none")
-            extra["feature_loss"] = float(diff.mean(-1).sum())
-        finite = bool(torch.isfinite(objective.detach()))
-    return LossParts(objective, step_loss, step_correct, step_tokens, extra, finite)
+def head_losses(head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
+                norms: torch.Tensor | None = None, label_rows: torch.Tensor | None = None) -> LossParts:
+    """Loss of one collated micro-batch, by the head's algorithm (`Algorithm.forward_loss`)."""
+    return get_algorithm(head.config.algorithm).forward_loss(head, lm_head, batch, settings, norms, label_rows)
 
 
 class TrainStep(nn.Module):
     """The head plus its loss as one module, so DDP/FSDP see every head call inside `forward`."""
 
-    def __init__(self, head: DraftHead, lm_head: nn.Module, **loss_kw: Any) -> None:
+    def __init__(self, head: DraftHead, lm_head: nn.Module, settings: LossSettings) -> None:
         super().__init__()
         self.head = head
-        self._borrowed = {"lm_head": lm_head}  # frozen target module: not a parameter here
-        self.loss_kw = loss_kw
+        self.algorithm = get_algorithm(head.config.algorithm)
+        self._borrowed: dict[str, Any] = {"lm_head": lm_head}  # frozen target module: not a parameter here
+        self.settings = settings
 
     def forward(self, batch: dict[str, Any], norms: torch.Tensor) -> LossParts:  # type: ignore[override]
-        return head_losses(self.head, self._borrowed["lm_head"], batch, norms=norms,
-                           label_rows=self._label_rows(), **self.loss_kw)
+        return self.algorithm.forward_loss(self.head, self._borrowed["lm_head"], batch, self.settings, norms,
+                                           self._label_rows())
 
     def _label_rows(self) -> torch.Tensor | None:
-        """The frozen LM head's rows for the draft vocabulary (EAGLE-3 with a reduced vocabulary),
-        gathered once: a [Vd, H] matmul per step instead of [V, H]."""
-        cfg = self.head.config
-        lm_head = self._borrowed["lm_head"]
-        if cfg.algorithm != "eagle3" or cfg.draft_vocab_size >= cfg.vocab_size or getattr(lm_head, "bias", None) is not None:
-            return None
-        rows = self._borrowed.get("label_rows")
-        if rows is None or rows.device != self.head.d2t.device:
-            ids = torch.arange(cfg.draft_vocab_size, device=self.head.d2t.device) + self.head.d2t  # [Vd] target ids
-            rows = lm_head.weight.detach()[ids.to(lm_head.weight.device)].to(self.head.d2t.device)  # [Vd, H]
-            self._borrowed["label_rows"] = rows
-        return rows
+        """`Algorithm.label_rows`, gathered once per device (the head's vocab maps are fixed)."""
+        key = ("label_rows", str(self.head.d2t.device) if hasattr(self.head, "d2t") else "")
+        if key not in self._borrowed:
+            self._borrowed[key] = self.algorithm.label_rows(self.head, self._borrowed["lm_head"])
+        return self._borrowed[key]
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -258,22 +153,12 @@ def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.stack(grads).norm() if grads else torch.zeros(())
 
 
-def _loss_kw(cfg: RootConfig, pad_id: int, training: bool) -> dict[str, Any]:
-    t, algo = cfg.train, cfg.draft.algorithm
-    return {
-        "steps": (1 if algo == "eagle1" else t.ttt_steps) if training else t.ttt_steps,
-        "decay": t.ttt_decay,
-        "feature_weight": t.feature_loss_weight,
-        "token_weight": t.token_loss_weight,
-        "noise_std": cfg.draft.feature_noise_std if (training and algo == "eagle1") else 0.0,
-        "pad_id": pad_id,
-    }
+def _loss_settings(cfg: RootConfig, pad_id: int, training: bool) -> LossSettings:
+    return get_algorithm(cfg.draft.algorithm).loss_settings(cfg.draft, cfg.train, pad_id, training)
 
 
 def _summary_weights(cfg: RootConfig, steps: int) -> tuple[list[float], dict[str, float]]:
-    if cfg.draft.algorithm == "eagle1":
-        return [cfg.train.token_loss_weight] + [0.0] * (steps - 1), {"feature_loss": cfg.train.feature_loss_weight}
-    return [cfg.train.ttt_decay**i for i in range(steps)], {}
+    return get_algorithm(cfg.draft.algorithm).summary_weights(cfg.train, steps)
 
 
 # --------------------------------------------------------------------------------------- setup
@@ -294,7 +179,7 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
 
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
-    layer_ids = aux if cfg.draft.algorithm == "eagle3" else None
+    layer_ids = get_algorithm(cfg.draft.algorithm).capture_layer_ids(aux)
     train = OnlineSplit(splits.train, cfg.capture.shard_size, target, layer_ids)
     held = OnlineSplit(splits.heldout, cfg.capture.shard_size, target, layer_ids) if splits.heldout else None
     return train, held
@@ -374,7 +259,7 @@ def evaluate(
     """Held-out metrics over the first `eval_batches x batch_size` conversations (fixed, all ranks)."""
     t = cfg.train
     micro = max(1, t.batch_size // (t.grad_accum * accelerator.num_processes))
-    kw = _loss_kw(cfg, pad_id, training=False)
+    settings = _loss_settings(cfg, pad_id, training=False)
     sums = MetricSums()
     was_training = head.training
     head.eval()
@@ -383,16 +268,16 @@ def evaluate(
                                   accelerator.process_index, accelerator.num_processes):
             batch = split.featurize(batch, accelerator.device)
             with accelerator.autocast():
-                parts = head_losses(head, lm_head, batch, norms=None, **kw)
+                parts = head_losses(head, lm_head, batch, settings)
             sums.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
                      float(batch["attention_mask"].sum()))
     finally:
         head.train(was_training)
     if not sums.step_tokens:  # this rank had no held-out items: contribute zeros to the reduce
-        sums.add([0.0] * kw["steps"], [0.0] * kw["steps"], [0.0] * kw["steps"],
-                 {k: 0.0 for k in (["feature_loss"] if cfg.draft.algorithm == "eagle1" else ["coverage"])})
+        zeros = [0.0] * settings.steps
+        sums.add(zeros, zeros, zeros, dict.fromkeys(get_algorithm(cfg.draft.algorithm).extra_metrics, 0.0))
     total = sums.reduce(accelerator)
-    return total.summary(*_summary_weights(cfg, kw["steps"]))
+    return total.summary(*_summary_weights(cfg, settings.steps))
 
 
 def _check_heldout_finite(metrics: dict[str, float], head: nn.Module, when: str) -> None:
@@ -433,7 +318,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
     train_split, held_split = _build_data(cfg, target, tokenizer, info, aux, accelerator)
     pad_id = int(tokenizer.pad_token_id or 0)
     counts = None
-    if head_cfg.algorithm == "eagle3" and head_cfg.draft_vocab_size < head_cfg.vocab_size:
+    if head_cfg.draft_vocab_size < head_cfg.vocab_size:  # a reduced vocabulary is chosen from the data
         counts = train_split.token_counts(head_cfg.vocab_size)  # [V] loss-mask tokens of the training split
     torch.manual_seed(t.seed)  # the same initial head on every rank and every run
     head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(device)
@@ -464,9 +349,10 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
 
     stream = BatchStream(train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, pad_id, rank, world,
                          DataPosition(state.epoch, state.index), group_lengths=t.group_by_length)
-    wrapper = TrainStep(head, lm_head, **_loss_kw(cfg, pad_id, training=True))
+    settings = _loss_settings(cfg, pad_id, training=True)
+    wrapper = TrainStep(head, lm_head, settings)
     wrapper, optimizer = accelerator.prepare(wrapper, optimizer)
-    steps = _loss_kw(cfg, pad_id, training=True)["steps"]
+    steps = settings.steps
     loss_weights, extra_weights = _summary_weights(cfg, steps)
     # The objective is already the global token mean: undo accelerator.backward's division by its
     # accumulation steps and DDP's averaging over ranks.
@@ -533,7 +419,7 @@ def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
             local = torch.zeros(steps, dtype=torch.float64)
             for mb in micro:
                 a = aligned_inputs(mb, pad_id)
-                local += torch.tensor([float(m.sum()) for m in _step_masks(a["loss_mask"], a["valid"], steps)],
+                local += torch.tensor([float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], steps)],
                                       dtype=torch.float64)
             norms = accelerator.reduce(local.to(device), reduction="sum") if world > 1 else local
             finite = True

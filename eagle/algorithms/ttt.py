@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from eagle.algorithms.losses import shift_left
 from eagle.heads.base import DraftHead
-from eagle.train.losses import shift_left
 
 
 def reference_ttt_mask(T: int, steps: int, i: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +73,7 @@ def ttt_forward(
     """Unroll `steps` head steps; returns the output hidden [B, T, H] of each step.
 
     Step i's input token at index t is x_{t+1+i} (`input_ids` shifted left by i, `pad_token_id`
-    past the end; those positions must be masked out of the loss, see `eagle.train.losses`).
+    past the end; those positions must be masked out of the loss, see `eagle.algorithms.losses`).
     """
     from transformers import DynamicCache
 

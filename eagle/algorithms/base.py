@@ -1,0 +1,164 @@
+"""What a draft algorithm is to the rest of eagle: one `Algorithm` per `draft.algorithm` name.
+
+An algorithm owns everything that differs between EAGLE-1 and EAGLE-3 outside the head module
+itself (`eagle.heads`): which target features it reads (feature spec), how a batch becomes a loss
+(`forward_loss`), and how its head is named and described in each export format. Callers ask the
+registered algorithm (`eagle.algorithms.get_algorithm(name)`) instead of comparing names, so a new
+variant is one module here plus its head class, registered by name.
+
+Alignment of a batch to the head (`eagle.heads.base`): index t reads token x_{t+1} and feature
+f_t and predicts x_{t+2}; `aligned_inputs` shifts a collated batch accordingly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eagle.algorithms.losses import eagle3_loss, shift_left
+from eagle.config import DraftConfig, TrainConfig
+from eagle.heads.base import DraftHead, HeadConfig
+
+
+@dataclass
+class LossParts:
+    """One micro-batch's loss and the token-weighted sums the trainer logs."""
+
+    objective: torch.Tensor  # scalar, already divided by the global token counts `norms`
+    step_loss: list[float]  # per step: sum of token losses
+    step_correct: list[float]
+    step_tokens: list[float]
+    extra: dict[str, float]  # per-token extras x step-0 tokens (Algorithm.extra_metrics)
+    finite: bool
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's knobs, read once from the run's config (`Algorithm.loss_settings`)."""
+
+    steps: int  # unroll steps (training-time test); EAGLE-1 trains with 1
+    decay: float  # weight decay^i of unroll step i
+    feature_weight: float  # EAGLE-1 smooth-L1 weight
+    token_weight: float  # EAGLE-1 soft-CE weight
+    noise_std: float  # EAGLE-1 feature noise (training only)
+    pad_id: int
+
+
+def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """[B, T] masks of the positions that count at each unroll step (as in `eagle.algorithms.losses`)."""
+    return [shift_left(loss_mask, i, False) & valid for i in range(steps)]
+
+
+def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:
+    """Shift a collated batch to the head's alignment (`eagle.heads.base`): index t reads x_{t+1}
+    and f_t and predicts x_{t+2}."""
+    attn = batch["attention_mask"].to(torch.bool)  # [B, T]
+    return {
+        "input_ids": shift_left(batch["input_ids"], 1, pad_id),  # [B, T] x_{t+1}
+        "valid": shift_left(attn, 1, False),  # [B, T] x_{t+1} is a real token
+        "loss_mask": shift_left(batch["loss_mask"].to(torch.bool), 2, False),  # [B, T] x_{t+2} is a target
+    }
+
+
+def token_norms(counts: list[int], norms: torch.Tensor | None) -> list[float]:
+    """Per unroll step, the token count a loss is divided by: the global one when given (so the
+    gradient is the mean over the whole global batch), else this batch's own."""
+    return [max(1.0, float(x)) for x in (norms.tolist() if norms is not None else counts)]
+
+
+def unrolled_soft_ce(
+    step_logits: list[torch.Tensor],  # steps x [B, T, Vd]
+    target_logits: torch.Tensor,  # [B, T, V or Vd] the target's, aligned to step 0
+    a: dict[str, torch.Tensor],  # aligned_inputs
+    t2d: torch.Tensor,  # [V] bool: target id is in the draft vocabulary
+    d2t: torch.Tensor,  # [Vd] draft id -> target id offset
+    decay: float,
+    norms: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[float], list[float], list[float], Any]:
+    """The unrolled soft cross-entropy (`eagle3_loss`) as (objective, step sums, raw result)."""
+    steps = len(step_logits)
+    counts = [int(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], steps)]
+    n = token_norms(counts, norms)
+    r = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
+    objective = sum(decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps))
+    step_loss = [float(x.detach()) * c for x, c in zip(r.step_losses, r.step_counts, strict=True)]
+    step_correct = [round(float(x) * c) for x, c in zip(r.step_accuracy, r.step_counts, strict=True)]
+    return objective, step_loss, step_correct, [float(c) for c in r.step_counts], r
+
+
+class Algorithm(ABC):
+    """A draft algorithm: its head class, feature spec, loss and export names."""
+
+    name: ClassVar[str]  # draft.algorithm / HeadConfig.algorithm
+    title: ClassVar[str]  # for people: model cards, reports
+    head_class: ClassVar[type[DraftHead]]
+    # Export: formats that can express the head, the `architectures` entry each one writes, the
+    # names that identify the algorithm in a config.json written elsewhere, and the runtimes' names.
+    export_formats: ClassVar[tuple[str, ...]]
+    architectures: ClassVar[dict[str, str]]
+    known_architectures: ClassVar[tuple[str, ...]]
+    speculators_model_type: ClassVar[str | None] = None  # None: no speculators format
+    vllm_method: ClassVar[str]
+    sglang_algorithm: ClassVar[str]
+    extra_metrics: ClassVar[tuple[str, ...]] = ()  # keys of LossParts.extra, weighted per step-0 token
+
+    # Feature spec: how many aux (low/mid/high) target layers the head fuses (`HeadConfig.aux_layer_ids`;
+    # 0 = it reads the final state only). The final state is always captured: it gives the labels.
+    num_aux_layers: ClassVar[int] = 0
+
+    # --- feature spec --------------------------------------------------------------------------
+    def capture_layer_ids(self, aux_layer_ids: list[int]) -> list[int] | None:
+        """The aux layers a capture stores beside the final state (None: the final state only)."""
+        return list(aux_layer_ids) if self.num_aux_layers else None
+
+    def feature_rows(self) -> int:
+        """Hidden-size rows stored per token: the aux layers plus the final state."""
+        return self.num_aux_layers + 1
+
+    # --- training ------------------------------------------------------------------------------
+    def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
+        return LossSettings(steps=train.ttt_steps, decay=train.ttt_decay, feature_weight=train.feature_loss_weight,
+                            token_weight=train.token_loss_weight, noise_std=0.0, pad_id=pad_id)
+
+    def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
+        """Weights of each step's loss and of each extra metric in the logged total `loss`."""
+        return [train.ttt_decay**i for i in range(steps)], {}
+
+    def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
+        """[Vd, H] rows of the target's LM head that the soft labels need, or None for all of them."""
+        return None
+
+    @abstractmethod
+    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
+                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+        """Loss of one collated micro-batch with features (`eagle.train.batches`); `norms` [steps]
+        are the global loss-token counts (None = this batch's own)."""
+
+    # --- export --------------------------------------------------------------------------------
+    def export_tensor_name(self, name: str, fmt: str) -> str:
+        """Our tensor name -> the name format `fmt` stores it under."""
+        return name
+
+    def canonical_tensor_name(self, name: str) -> str:
+        """A stored tensor name (any format) -> ours."""
+        return name
+
+    def format_tensors(self, spec: dict[str, Any], fmt: str) -> dict[str, Any]:
+        """Our tensors (name -> spec) a `fmt` folder holds: by default all of them."""
+        return spec
+
+    def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:
+        """Tensors a `fmt` folder may leave out, with the value their absence means."""
+        return {}
+
+    def export_tensors(self, cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+        """Our tensors as `fmt` keeps them (before renaming); refuses what `fmt` cannot express."""
+        return tensors
+
+    @abstractmethod
+    def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
+        """config.json fields of a vllm / sglang / hf folder beyond the Llama layer config."""

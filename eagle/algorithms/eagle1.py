@@ -1,0 +1,109 @@
+"""EAGLE-1 (Li et al., 2024): predict the target's next final feature; the target's LM head decodes it.
+
+Feature spec: the target's final post-norm state only.
+Loss (training): smooth-L1 on the predicted feature f_{t+1} + soft CE of the target's LM head on it,
+on noisy input features (`eagle.algorithms.losses.eagle1_loss`), one step. Held-out evaluation also
+unrolls the head on its own predictions to report acc_1.. (soft CE per step, no feature noise).
+Export: vLLM `EagleLlamaForCausalLM` (fc without bias), SGLang `LlamaForCausalLMEagle` (fc with
+bias); no speculators format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eagle.algorithms.base import (
+    Algorithm,
+    LossParts,
+    LossSettings,
+    aligned_inputs,
+    token_norms,
+    unrolled_soft_ce,
+)
+from eagle.algorithms.losses import add_feature_noise, eagle1_loss, shift_left
+from eagle.algorithms.ttt import ttt_forward
+from eagle.config import DraftConfig, TrainConfig
+from eagle.errors import ExportError
+from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.eagle1 import Eagle1Head
+
+
+class Eagle1(Algorithm):
+    name: ClassVar[str] = Eagle1Head.algorithm
+    title: ClassVar[str] = "EAGLE-1"
+    head_class: ClassVar[type[DraftHead]] = Eagle1Head
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "hf")
+    architectures: ClassVar[dict[str, str]] = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle",
+                                               "hf": "EagleLlamaForCausalLM"}
+    known_architectures: ClassVar[tuple[str, ...]] = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
+    speculators_model_type: ClassVar[str | None] = None
+    vllm_method: ClassVar[str] = "eagle"
+    sglang_algorithm: ClassVar[str] = "EAGLE"
+    extra_metrics: ClassVar[tuple[str, ...]] = ("feature_loss",)
+
+    def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
+        s = super().loss_settings(draft, train, pad_id, training)
+        if not training:
+            return s
+        # Training is one step on noisy features; evaluation unrolls train.ttt_steps without noise.
+        return LossSettings(1, s.decay, s.feature_weight, s.token_weight, draft.feature_noise_std, pad_id)
+
+    def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
+        return [train.token_loss_weight] + [0.0] * (steps - 1), {"feature_loss": train.feature_loss_weight}
+
+    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
+                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+        s = settings
+        a = aligned_inputs(batch, s.pad_id)
+        feats = add_feature_noise(batch["final_hidden"], s.noise_std, training=s.noise_std > 0)  # [B, T, H]
+        hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
+        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id)  # steps x [B, T, H]
+        with torch.no_grad():
+            next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
+        mask = a["loss_mask"] & a["valid"]
+        if s.steps == 1:
+            r = eagle1_loss(outs[0], next_feature, lm_head.weight, mask, s.feature_weight, s.token_weight)
+            objective = r.loss * (r.count / token_norms([r.count], norms)[0])
+            return LossParts(objective, [float(r.token_loss.detach()) * r.count], [round(float(r.accuracy) * r.count)],
+                             [float(r.count)], {"feature_loss": float(r.feature_loss.detach()) * r.count},
+                             bool(torch.isfinite(r.loss.detach())))
+        # Evaluation: the full-vocabulary soft CE per unroll step, plus step 0's feature loss as in training.
+        step_logits = [head.logits(o) for o in outs]  # steps x [B, T, V]
+        with torch.no_grad():
+            target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
+        v = target_logits.shape[-1]
+        t2d = torch.ones(v, dtype=torch.bool, device=target_logits.device)
+        d2t = torch.zeros(v, dtype=torch.long, device=target_logits.device)
+        objective, step_loss, step_correct, step_tokens, _ = unrolled_soft_ce(
+            step_logits, target_logits, a, t2d, d2t, s.decay, norms)
+        diff = torch.nn.functional.smooth_l1_loss(outs[0][mask].float(), next_feature[mask].float(), reduction="none")
+        return LossParts(objective, step_loss, step_correct, step_tokens, {"feature_loss": float(diff.mean(-1).sum())},
+                         bool(torch.isfinite(objective.detach())))
+
+    # --- export --------------------------------------------------------------------------------
+    def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:
+        if fmt in ("vllm", "third-party"):  # vLLM's EAGLE-1 has no fc bias; old checkpoints often do
+            return {"fc.bias": torch.zeros(cfg.hidden_size)}
+        return {}
+
+    def format_tensors(self, spec: dict[str, Any], fmt: str) -> dict[str, Any]:
+        if fmt != "vllm":
+            return spec
+        return {k: v for k, v in spec.items() if k != "fc.bias"}  # vLLM's EagleLlamaForCausalLM: fc without bias
+
+    def export_tensors(self, cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+        if fmt != "vllm" or "fc.bias" not in tensors:
+            return tensors
+        tensors = dict(tensors)
+        bias = tensors.pop("fc.bias")
+        if bool(bias.abs().max() > 0):
+            raise ExportError("vLLM's EAGLE-1 model (EagleLlamaForCausalLM) builds fc without a bias, and this "
+                              f"head's fc.bias is non-zero (max |b| = {float(bias.abs().max()):.3g}): a vLLM "
+                              "export would change its outputs. Use format=sglang (fc with bias) or format=hf.")
+        return tensors
+
+    def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
+        return {"eagle_fc_bias": fmt != "vllm"}

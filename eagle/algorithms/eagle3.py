@@ -1,0 +1,105 @@
+"""EAGLE-3 (Li et al., 2025): fused low/mid/high target features, training-time test, reduced vocabulary.
+
+Feature spec: the three aux layers `HeadConfig.aux_layer_ids` (the input of decoder layer i, vLLM's
+convention) plus the final state, whose LM-head logits are the soft labels.
+Loss: `ttt_steps`-step unroll on the head's own outputs, sum_i decay^i soft CE against the target's
+distribution restricted to the draft vocabulary (`eagle.algorithms.losses.eagle3_loss`).
+Export: vLLM / SGLang `LlamaForCausalLMEagle3`, speculators `Eagle3Speculator` (which renames
+`midlayer.` to `layers.0.`), aux ids top-level (vLLM) or in SGLang's `eagle_config` (ids - 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
+from eagle.algorithms.losses import shift_left
+from eagle.algorithms.ttt import ttt_forward
+from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.eagle3 import Eagle3Head
+
+_SPECULATORS_PREFIX, _OURS_PREFIX = "layers.0.", "midlayer."
+
+
+class Eagle3(Algorithm):
+    name: ClassVar[str] = Eagle3Head.algorithm
+    title: ClassVar[str] = "EAGLE-3"
+    head_class: ClassVar[type[DraftHead]] = Eagle3Head
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "speculators", "hf")
+    architectures: ClassVar[dict[str, str]] = {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
+                                               "hf": "LlamaForCausalLMEagle3"}
+    known_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+    speculators_model_type: ClassVar[str | None] = "eagle3"
+    vllm_method: ClassVar[str] = "eagle3"
+    sglang_algorithm: ClassVar[str] = "EAGLE3"
+    extra_metrics: ClassVar[tuple[str, ...]] = ("coverage",)
+    num_aux_layers: ClassVar[int] = 3
+
+    def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
+        """The frozen LM head's rows for the draft vocabulary ([Vd, H]) when it is reduced: the soft
+        labels then cost a [Vd, H] matmul per step instead of [V, H]."""
+        cfg = head.config
+        if cfg.draft_vocab_size >= cfg.vocab_size or getattr(lm_head, "bias", None) is not None:
+            return None
+        ids = torch.arange(cfg.draft_vocab_size, device=head.d2t.device) + head.d2t  # [Vd] target ids
+        return lm_head.weight.detach()[ids.to(lm_head.weight.device)].to(head.d2t.device)  # [Vd, H]
+
+    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
+                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+        s = settings
+        a = aligned_inputs(batch, s.pad_id)
+        hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
+        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id)  # steps x [B, T, H]
+        step_logits = [head.logits(o) for o in outs]  # steps x [B, T, Vd]
+        with torch.no_grad():
+            next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
+            if label_rows is not None:
+                # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns):
+                # the same renormalised target distribution; accuracy is then against the target's best
+                # draft-vocabulary token (equal to the full top-1 whenever that is in the draft vocab).
+                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [B, T, Vd]
+                vd = label_rows.shape[0]
+                t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
+                d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
+            else:
+                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
+                t2d, d2t = head.t2d, head.d2t
+        objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
+            step_logits, target_logits, a, t2d, d2t, s.decay, norms)
+        extra = {}
+        if r.coverage is not None and label_rows is None:  # with label rows every label is in the draft vocab
+            extra["coverage"] = float(r.coverage) * r.step_counts[0]
+        return LossParts(objective, step_loss, step_correct, step_tokens, extra, bool(torch.isfinite(objective.detach())))
+
+    # --- export --------------------------------------------------------------------------------
+    def export_tensor_name(self, name: str, fmt: str) -> str:
+        if fmt == "speculators" and name.startswith(_OURS_PREFIX):
+            return _SPECULATORS_PREFIX + name[len(_OURS_PREFIX):]
+        return name
+
+    def canonical_tensor_name(self, name: str) -> str:
+        if name.startswith(_SPECULATORS_PREFIX):
+            return _OURS_PREFIX + name[len(_SPECULATORS_PREFIX):]
+        return name
+
+    def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            return {}
+        # A full-vocabulary head may store no maps: they are the identity.
+        return {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+                "t2d": torch.ones(cfg.vocab_size, dtype=torch.bool)}
+
+    def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+                               "norm_before_residual": False}
+        if fmt == "sglang":
+            # SGLang captures layer (id + 1)'s input for each id listed here.
+            out["eagle_config"] = {"use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
+        else:
+            out["eagle_config"] = {"use_aux_hidden_state": True}
+            out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+        return out
