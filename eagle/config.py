@@ -135,7 +135,6 @@ class TrainConfig:
     log_every: int = 10
     resume: str = "auto"  # auto (latest in output_dir if any) | true | false
     nonfinite: str = "skip"  # skip | stop: what to do on a non-finite loss or gradient
-    num_workers: int = 0
     seed: int = 0
 
 
@@ -204,7 +203,6 @@ class LoggerConfig:
 @dataclass
 class RootConfig:
     output_dir: str = "outputs/run"
-    seed: int = 0
     device: str | None = None  # None: accelerate's choice (cpu here)
     format: str = "hf"  # eagle-export: vllm | sglang | speculators | hf
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -271,8 +269,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     for name in ("max_steps", "batch_size", "grad_accum", "max_length", "lr", "ttt_steps", "eval_every",
                  "save_every", "log_every", "keep_checkpoints", "eval_batches"):
         _positive(f"train.{name}", getattr(t, name))
-    for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_loss_weight", "token_loss_weight",
-                 "num_workers"):
+    for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_loss_weight", "token_loss_weight"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")

@@ -30,7 +30,7 @@ def _record(tmp_path: Path, *overrides: str):
     "train.lr=1e-3", "train.batch_size=8", "train.grad_accum=2", "train.max_length=512", "train.ttt_steps=3",
     "train.ttt_decay=0.5", "train.warmup_steps=7", "train.schedule=linear", "train.min_lr_ratio=0.5",
     "train.weight_decay=0.1", "train.betas=[0.9,0.99]", "train.grad_clip=1.0", "train.mixed_precision=bf16",
-    "train.seed=1", "seed=1", "train.mode=online", "draft.algorithm=eagle1", "draft.draft_vocab_size=64",
+    "train.seed=1", "train.mode=online", "draft.algorithm=eagle1", "draft.draft_vocab_size=64",
     "draft.feature_noise_std=0.1", "draft.aux_layer_ids=[1,2,3]", "target.path=/elsewhere",
 ])
 def test_trajectory_keys_are_refused(tmp_path, override):
