@@ -94,9 +94,9 @@ def test_training_on_nonfinite_heldout_metrics_is_an_error(loud, inf_capture, tm
 
 def test_training_where_every_step_is_skipped_is_an_error(loud, inf_capture, tmp_path, monkeypatch):
     from eagle.capture.reader import CaptureDataset
-    from eagle.train import trainer
+    from eagle.train import heldout, trainer
 
     monkeypatch.setattr(CaptureDataset, "_check_finite", lambda *a, **k: None)
-    monkeypatch.setattr(trainer, "_check_heldout_finite", lambda *a, **k: None)
+    monkeypatch.setattr(heldout, "check_heldout_finite", lambda *a, **k: None)
     with pytest.raises(TrainingError, match="every one of the 2 optimizer steps"):
         trainer.train(compose(loud + ["capture.dtype=float16"] + train_overrides(tmp_path / "o", inf_capture, steps=2)))

@@ -65,9 +65,11 @@ def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor
 
 
 def token_norms(counts: list[int], norms: torch.Tensor | None) -> list[float]:
-    """Per unroll step, the token count a loss is divided by: the global one when given (so the
-    gradient is the mean over the whole global batch), else this batch's own."""
-    return [max(1.0, float(x)) for x in (norms.tolist() if norms is not None else counts)]
+    """Per unroll step, the token count a loss is divided by: the trainer's global one when given
+    (so the gradient is the mean over the whole global batch), else this batch's own (at least 1)."""
+    if norms is not None:
+        return [float(x) for x in norms.tolist()]
+    return [max(1.0, float(x)) for x in counts]
 
 
 def unrolled_soft_ce(

@@ -11,10 +11,13 @@ One loop for both algorithms and both data modes, on accelerate:
              split also tau_sim (see `eagle.train.metrics`), which picks `output_dir/best/`
   save       `eagle.train.checkpoint` (atomic, resumable bit for bit, pruned)
 
-Loss normalisation: every micro-batch's loss is divided by the GLOBAL number of loss tokens of the
-step (per unroll step, all-reduced before the forward), so the gradient is the token mean over the
-whole global batch whatever `grad_accum` and the number of processes are: 1 process x batch 8 and
-2 processes x 4 give the same update up to float summation order.
+Loss normalisation, in one place (`TrainRecipe.global_token_counts`): every micro-batch's sum of
+token losses is divided by the GLOBAL number of loss tokens of the step (per unroll step, counted
+from the batch masks and all-reduced before the forward; over the world size, as DDP averages the
+ranks' gradients), so the gradient is the token mean over the whole global batch whatever
+`grad_accum` and the number of processes are: 1 process x batch 8 and 2 processes x 4 give the
+same update up to float summation order. Accumulation is the trainer's own (micro-batches under
+`no_sync`), so accelerate is told 1 and rescales nothing.
 
 Multi-GPU / multi-node: `accelerate launch [--config_file cfg.yaml] -m eagle.cli.train ...` (or
 `eagle-train` under `torchrun`); the data-parallel setup (DDP, number of processes and machines,
@@ -28,10 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import math
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,15 +43,16 @@ from torch import nn
 from eagle.algorithms import LossParts, LossSettings, get_algorithm
 from eagle.algorithms.base import aligned_inputs, step_masks
 from eagle.config import ConfigError, RootConfig
-from eagle.errors import CheckpointError, TrainingError
+from eagle.errors import TrainingError
 from eagle.heads.base import DraftHead
 from eagle.train import checkpoint as ckpt
-from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit, eval_batches
+from eagle.train import heldout
+from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit
+from eagle.train.heldout import evaluate_heldout
 from eagle.train.metrics import MetricSums
-from eagle.train.resume import check_resume, follow_schedule, run_record
+from eagle.train.resume import follow_schedule, run_record
+from eagle.train.runtime import PhaseTimer, StopFlag, checkpoint_to_resume, grad_norm, make_accelerator
 from eagle.train.schedule import build_optimizer, build_scheduler
-
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------- results
@@ -80,15 +80,9 @@ class TrainHooks:
     on_step_end: Callable[[int], None] | None = None
 
 
-# --------------------------------------------------------------------------------------- losses
-def head_losses(head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
-                norms: torch.Tensor | None = None, label_rows: torch.Tensor | None = None) -> LossParts:
-    """Loss of one collated micro-batch, by the head's algorithm (`Algorithm.forward_loss`)."""
-    return get_algorithm(head.config.algorithm).forward_loss(head, lm_head, batch, settings, norms, label_rows)
-
-
+# --------------------------------------------------------------------------------------- the step module
 class TrainStep(nn.Module):
-    """The head plus its loss as one module, so DDP/FSDP see every head call inside `forward`."""
+    """The head plus its loss as one module, so DDP sees every head call inside `forward`."""
 
     def __init__(self, head: DraftHead, lm_head: nn.Module, settings: LossSettings) -> None:
         super().__init__()
@@ -109,59 +103,6 @@ class TrainStep(nn.Module):
         return self._borrowed[key]
 
 
-# --------------------------------------------------------------------------------------- helpers
-class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop finishes the step, saves and returns."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handlers, the run just cannot be interrupted cleanly
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
-        self.signum = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-
-def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return torch.stack(grads).norm() if grads else torch.zeros(())
-
-
-def _loss_settings(cfg: RootConfig, pad_id: int, training: bool) -> LossSettings:
-    return get_algorithm(cfg.draft.algorithm).loss_settings(cfg.draft, cfg.train, pad_id, training)
-
-
-def _summary_weights(cfg: RootConfig, steps: int) -> tuple[list[float], dict[str, float]]:
-    return get_algorithm(cfg.draft.algorithm).summary_weights(cfg.train, steps)
-
-
-# --------------------------------------------------------------------------------------- setup
 def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, aux: list[int], accelerator: Any):
     """(train split, held-out split or None) for train.mode."""
     t = cfg.train
@@ -185,344 +126,279 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
     return train, held
 
 
-def _prepare_output(cfg: RootConfig, log: Callable[[str], None] | None = print) -> Path | None:
-    """The checkpoint to resume from per train.resume (auto | true | false), or None.
-
-    A checkpoint written under settings that change the training trajectory is refused; allowed
-    changes (max_steps, cadences, logger) are logged (`eagle.train.resume.check_resume`)."""
-    out = Path(cfg.output_dir)
-    mode = str(cfg.train.resume).lower()
-    latest = ckpt.find_latest_checkpoint(out)
-    if mode == "false" and latest is not None:
-        raise CheckpointError(
-            f"{out} already holds training checkpoints ({latest.name}) and train.resume=false; use another "
-            "output_dir, delete its checkpoints/, or set train.resume=auto to continue"
-        )
-    if mode == "true" and latest is None:
-        raise CheckpointError(f"train.resume=true but {out} has no complete checkpoint under {ckpt.CHECKPOINTS}/")
-    if mode == "false" or latest is None:
-        return None
-    check_resume(cfg, latest, log)
-    return latest
+@dataclass
+class StepOutcome:
+    grad_norm: torch.Tensor
+    stop_requested: bool  # SIGINT/SIGTERM on any rank
+    nonfinite_stop: bool = False  # train.nonfinite=stop hit a bad step: checkpoint of the state before it saved
 
 
-def _make_accelerator(cfg: RootConfig):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
-
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
-        torch.distributed.is_available() and torch.distributed.is_initialized()
-    )
-    if not launched:
-        # accelerate keeps process-wide state; a second train() in the same process (a notebook,
-        # tests) with another mixed precision or accumulation would be refused or silently keep
-        # the first run's settings. Single-process state is safe to rebuild.
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    from eagle.precision import resolve_mixed_precision
-
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mixed = resolve_mixed_precision(cfg.train.mixed_precision, device)
-    if cfg.train.mixed_precision == "auto":
-        log.info("train.mixed_precision=auto -> %s on %s", mixed, device)
-    accelerator = Accelerator(
-        mixed_precision=mixed,
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        # Without an accelerator say so explicitly: a multi-process launch on CPU then uses gloo.
-        cpu=cfg.device == "cpu" or (cfg.device is None and not torch.cuda.is_available()),
-        # Unused parameters never occur (every head weight is in every step's graph); saying so
-        # spares DDP a graph walk per step.
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
-    )
-    # Checked after creating the Accelerator: a bare PartialState() first would settle the process
-    # group without the cpu flag and turn a multi-process CPU launch into N single processes.
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError(
-            f"eagle-train runs data-parallel (DDP) only; the accelerate config asks for "
-            f"{accelerator.distributed_type.value}. Re-run `accelerate config` choosing multi-GPU without "
-            "FSDP/DeepSpeed (the head is one layer: it needs no sharding)"
-        )
-    return accelerator
+# Phases that are not training: left out of tokens/s.
+_NOT_TRAINING = ("eval", "checkpoint", "logging")
 
 
-# --------------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def evaluate(
-    head: DraftHead,
-    lm_head: nn.Module,
-    split: Any,
-    cfg: RootConfig,
-    accelerator: Any,
-    pad_id: int,
-) -> dict[str, float]:
-    """Held-out metrics over the first `eval_batches x batch_size` conversations (fixed, all ranks)."""
-    t = cfg.train
-    micro = max(1, t.batch_size // (t.grad_accum * accelerator.num_processes))
-    settings = _loss_settings(cfg, pad_id, training=False)
-    sums = MetricSums()
-    was_training = head.training
-    head.eval()
-    try:
-        for batch in eval_batches(split, t.eval_batches * t.batch_size, micro, t.max_length, pad_id,
-                                  accelerator.process_index, accelerator.num_processes):
-            batch = split.featurize(batch, accelerator.device)
-            with accelerator.autocast():
-                parts = head_losses(head, lm_head, batch, settings)
-            sums.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                     float(batch["attention_mask"].sum()))
-    finally:
-        head.train(was_training)
-    if not sums.step_tokens:  # this rank had no held-out items: contribute zeros to the reduce
-        zeros = [0.0] * settings.steps
-        sums.add(zeros, zeros, zeros, dict.fromkeys(get_algorithm(cfg.draft.algorithm).extra_metrics, 0.0))
-    total = sums.reduce(accelerator)
-    return total.summary(*_summary_weights(cfg, settings.steps))
+# --------------------------------------------------------------------------------------- the recipe
+class TrainRecipe:
+    """One training run: `setup`, then `train` (the loop) calling `train_step`, `log_window`,
+    `evaluate_heldout` and `save_checkpoint`. Use `train(cfg)`; the class is for reading and tests."""
 
+    def __init__(self, cfg: RootConfig, hooks: TrainHooks | None = None) -> None:
+        self.cfg, self.hooks = cfg, hooks or TrainHooks()
+        self.out = Path(cfg.output_dir)
+        self.timer = PhaseTimer()
 
-def _check_heldout_finite(metrics: dict[str, float], head: nn.Module, when: str) -> None:
-    """A non-finite held-out metric means the run cannot be trusted: stop and say why."""
-    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-    if not bad:
-        return
-    weights_ok = all(bool(torch.isfinite(p).all()) for p in head.parameters())
-    cause = ("the held-out data give non-finite losses (inf/nan features, or target logits that overflow)"
-             if weights_ok else "the head's weights are no longer finite (training diverged: lower train.lr, "
-             "keep train.grad_clip > 0)")
-    raise TrainingError(f"held-out metrics of {when} are not finite ({', '.join(bad)}): {cause}; "
-                        "checkpoints written so far are kept")
+    # --- setup ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Accelerator, resume decision, target, data, head, optimizer, schedule, state, batches, tracker."""
+        from eagle.heads.io import build_head, head_config_from_target, load_head
+        from eagle.targets import load_target
+        from eagle.tracking import Tracker
 
+        cfg, t = self.cfg, self.cfg.train
+        self.accelerator = acc = make_accelerator(cfg)
+        self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
+        self.resume_from = checkpoint_to_resume(cfg, log=print if acc.is_main_process else None)
+        self.resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
 
-# --------------------------------------------------------------------------------------- train
-def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
-    """Train a draft head per `cfg` into `cfg.output_dir`; see the module docstring."""
-    from accelerate.utils import gather_object
+        target, tokenizer, info = load_target(cfg.target, device=self.device)
+        head_cfg = head_config_from_target(target.config, cfg.draft, info)
+        aux = list(head_cfg.aux_layer_ids)
+        self.train_split, self.held_split = _build_data(cfg, target, tokenizer, info, aux, acc)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+        counts = None
+        if head_cfg.draft_vocab_size < head_cfg.vocab_size:  # a reduced vocabulary is chosen from the data
+            counts = self.train_split.token_counts(head_cfg.vocab_size)  # [V] loss-mask tokens of the training split
+        torch.manual_seed(t.seed)  # the same initial head on every rank and every run
+        head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(self.device)
+        head.train()
+        self.lm_head = target.get_output_embeddings()
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        optimizer = build_optimizer(self.params, t)
+        self.scheduler = build_scheduler(optimizer, t)
 
-    from eagle.heads.io import build_head, head_config_from_target, load_head
-    from eagle.targets import load_target
-    from eagle.tracking import Tracker
+        self.state = ckpt.TrainState(algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint,
+                                     aux_layer_ids=aux, world_size=self.world)
+        rng = None
+        if self.resume_from is not None:
+            saved = ckpt.read_state(self.resume_from)
+            ckpt.check_resumable(saved, self.resume_from, head_cfg.algorithm, info.fingerprint, aux)
+            head.load_state_dict(load_head(self.resume_from / "head", algorithm=head_cfg.algorithm).state_dict())
+            optimizer.load_state_dict(ckpt.load_torch(self.resume_from / "optimizer.pt"))
+            self.scheduler.load_state_dict(ckpt.load_torch(self.resume_from / "scheduler.pt"))
+            follow_schedule(optimizer, self.scheduler)  # a raised max_steps re-shapes the decay still to come
+            rng = ckpt.load_rng(self.resume_from, self.rank)
+            self.state = saved
+            self.state.world_size = self.world
+        # Per-rank random streams (EAGLE-1 feature noise); restored exactly on resume.
+        torch.manual_seed(t.seed * 1000 + self.rank + 1)
+        if rng is not None:
+            ckpt.set_rng_state(rng)
 
-    hooks = hooks or TrainHooks()
-    t = cfg.train
-    out = Path(cfg.output_dir)
-    accelerator = _make_accelerator(cfg)
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    timer = _Timer()
-    resume_from = _prepare_output(cfg, log=print if accelerator.is_main_process else None)
-    resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
+        self.stream = BatchStream(self.train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, self.pad_id,
+                                  self.rank, self.world, DataPosition(self.state.epoch, self.state.index),
+                                  group_lengths=t.group_by_length)
+        algo = get_algorithm(cfg.draft.algorithm)
+        self.settings = algo.loss_settings(cfg.draft, t, self.pad_id, training=True)
+        self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)
+        self.wrapper, self.optimizer = acc.prepare(TrainStep(head, self.lm_head, self.settings), optimizer)
+        self.result = TrainResult(output_dir=self.out, step=self.state.step, stopped="max_steps", best_dir=None,
+                                  best_metric=self.state.best_metric, best_step=self.state.best_step,
+                                  last_checkpoint=self.resume_from, skipped_steps=list(self.state.skipped_steps))
+        self.head_extra = {"target": info.source, "target_fingerprint": info.fingerprint}
+        self.tracker = Tracker(cfg.logger, self.out, json.loads(json.dumps(asdict(cfg), default=str)),
+                               total=t.max_steps, initial=self.state.step, enabled=acc.is_main_process)
+        self.window = MetricSums()  # training sums since the last log line
+        self.window_t0, self.window_busy0 = time.perf_counter(), self.timer.total(_NOT_TRAINING)
+        self.last_saved_step = self.state.step if self.resume_from is not None else -1
+        self.last_eval_step = -1
+        if acc.is_main_process and self.resume_from is not None:
+            self.tracker.write(f"eagle-train: resumed from {self.resume_from} (step {self.state.step}, epoch "
+                               f"{self.state.epoch}, item {self.state.index})")
 
-    # --- target, data, head --------------------------------------------------------------------
-    target, tokenizer, info = load_target(cfg.target, device=device)
-    head_cfg = head_config_from_target(target.config, cfg.draft, info)
-    aux = list(head_cfg.aux_layer_ids)
-    train_split, held_split = _build_data(cfg, target, tokenizer, info, aux, accelerator)
-    pad_id = int(tokenizer.pad_token_id or 0)
-    counts = None
-    if head_cfg.draft_vocab_size < head_cfg.vocab_size:  # a reduced vocabulary is chosen from the data
-        counts = train_split.token_counts(head_cfg.vocab_size)  # [V] loss-mask tokens of the training split
-    torch.manual_seed(t.seed)  # the same initial head on every rank and every run
-    head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(device)
-    head.train()
-    lm_head = target.get_output_embeddings()
-    params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, t)
-    scheduler = build_scheduler(optimizer, t)
+    @property
+    def head(self) -> DraftHead:
+        return self.accelerator.unwrap_model(self.wrapper).head
 
-    state = ckpt.TrainState(algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint,
-                            aux_layer_ids=aux, world_size=world)
-    rng = None
-    if resume_from is not None:
-        saved = ckpt.read_state(resume_from)
-        ckpt.check_resumable(saved, resume_from, head_cfg.algorithm, info.fingerprint, aux)
-        loaded = load_head(resume_from / "head", algorithm=head_cfg.algorithm)
-        head.load_state_dict(loaded.state_dict())
-        optimizer.load_state_dict(ckpt.load_torch(resume_from / "optimizer.pt"))
-        scheduler.load_state_dict(ckpt.load_torch(resume_from / "scheduler.pt"))
-        follow_schedule(optimizer, scheduler)  # a raised max_steps re-shapes the decay still to come
-        rng = ckpt.load_rng(resume_from, rank)
-        state = saved
-        state.world_size = world
-    # Per-rank random streams (EAGLE-1 feature noise); restored exactly on resume.
-    torch.manual_seed(t.seed * 1000 + rank + 1)
-    if rng is not None:
-        ckpt.set_rng_state(rng)
+    # --- one optimizer step --------------------------------------------------------------------
+    def global_token_counts(self, micro: list[dict[str, Any]]) -> torch.Tensor:
+        """[steps] the denominators of every micro-batch's loss: loss tokens per unroll step over the
+        whole global batch (all micro-batches, all ranks), divided by the world size because DDP
+        averages the ranks' gradients. The update is then the token mean of the global batch, the
+        same for any grad_accum and number of processes."""
+        local = torch.zeros(self.settings.steps, dtype=torch.float64)
+        for mb in micro:
+            a = aligned_inputs(mb, self.pad_id)
+            local += torch.tensor([float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], self.settings.steps)],
+                                  dtype=torch.float64)
+        total = self.accelerator.reduce(local.to(self.device), reduction="sum") if self.world > 1 else local
+        return total.clamp(min=1.0) / self.world
 
-    stream = BatchStream(train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, pad_id, rank, world,
-                         DataPosition(state.epoch, state.index), group_lengths=t.group_by_length)
-    settings = _loss_settings(cfg, pad_id, training=True)
-    wrapper = TrainStep(head, lm_head, settings)
-    wrapper, optimizer = accelerator.prepare(wrapper, optimizer)
-    steps = settings.steps
-    loss_weights, extra_weights = _summary_weights(cfg, steps)
-    # The objective is already the global token mean: undo accelerator.backward's division by its
-    # accumulation steps and DDP's averaging over ranks.
-    backward_scale = float(world) * float(accelerator.gradient_accumulation_steps)
+    def train_step(self, stop: StopFlag) -> StepOutcome:
+        """Forward/backward over this rank's micro-batches, then clip and step (or skip a non-finite step)."""
+        t, acc, state = self.cfg.train, self.accelerator, self.state
+        pre_position = DataPosition(self.stream.position.epoch, self.stream.position.index)
+        pre_rng = ckpt.rng_state() if t.nonfinite == "stop" else None
+        with self.timer("data"):
+            micro, ids = self.stream.next_step()
+        norms = self.global_token_counts(micro)
+        finite = True
+        for i, mb in enumerate(micro):
+            with self.timer("data"):
+                mb = self.train_split.featurize(mb, self.device)
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.wrapper)
+            with self.timer("forward_backward"), sync:
+                parts = self.wrapper(mb, norms)
+                acc.backward(parts.objective)
+            finite &= parts.finite
+            self.window.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
+                            float(mb["attention_mask"].sum()), float(mb["attention_mask"].numel()))
+        with self.timer("optimizer"):
+            norm = acc.clip_grad_norm_(self.params, t.grad_clip) if t.grad_clip > 0 else grad_norm(self.params)
+            grad_ok = bool(torch.isfinite(torch.as_tensor(norm)).all())
+            # fp16: inf gradients are the loss scaler's business (it skips the step and lowers the scale).
+            bad_local = (not finite) or (not grad_ok and t.mixed_precision != "fp16")
+            flags = torch.tensor([float(bad_local), float(stop.signum is not None)], device=self.device)
+            if self.world > 1:
+                flags = acc.reduce(flags, reduction="sum")
+            bad, stop_requested = bool(flags[0] > 0), bool(flags[1] > 0)
+            if bad:
+                self.optimizer.zero_grad(set_to_none=True)
+                from accelerate.utils import gather_object
 
-    result = TrainResult(output_dir=out, step=state.step, stopped="max_steps", best_dir=None,
-                         best_metric=state.best_metric, best_step=state.best_step, last_checkpoint=resume_from,
-                         skipped_steps=list(state.skipped_steps))
-    head_extra = {"target": info.source, "target_fingerprint": info.fingerprint}
+                all_ids = gather_object(ids) if self.world > 1 else ids
+                self.tracker.write(f"eagle-train: non-finite loss or gradient at step {state.step + 1} "
+                                   f"(conversations {all_ids}); train.nonfinite={t.nonfinite}")
+                if t.nonfinite == "stop":
+                    self.stream.position = pre_position
+                    self.result.last_checkpoint = self.save_checkpoint(pre_rng)
+                    return StepOutcome(norm, stop_requested, nonfinite_stop=True)
+                state.skipped_steps.append(state.step + 1)
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return StepOutcome(norm, stop_requested)
 
-    def save(rng_override: dict[str, Any] | None = None) -> Path:
-        with timer("checkpoint"):
-            state.epoch, state.index = stream.position.epoch, stream.position.index
-            return ckpt.save_checkpoint(out, state, accelerator.unwrap_model(wrapper).head, optimizer, scheduler,
-                                        t.keep_checkpoints, rank, accelerator.wait_for_everyone, rng_override,
-                                        head_extra, run_config=resume_record)
+    # --- logging, evaluation, checkpoints --------------------------------------------------------
+    def log_window(self, outcome: StepOutcome) -> None:
+        """Reduce the training sums since the last log line over ranks and log them with tokens/s."""
+        with self.timer("logging"):
+            total = self.window.reduce(self.accelerator)
+            elapsed = time.perf_counter() - self.window_t0 - (self.timer.total(_NOT_TRAINING) - self.window_busy0)
+            metrics = total.summary(self.loss_weights, self.extra_weights)
+            metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(outcome.grad_norm),
+                           tokens_per_s=total.tokens / max(elapsed, 1e-9), padding_share=total.padding_share,
+                           epoch=float(self.stream.position.epoch))
+            self.result.train_metrics = metrics
+            self.state.metrics.update({f"train/{k}": v for k, v in metrics.items()})
+            self.tracker.log(metrics, self.state.step, prefix="train")
+            self.window = MetricSums()
+            self.window_t0, self.window_busy0 = time.perf_counter(), self.timer.total(_NOT_TRAINING)
 
-    def run_eval() -> None:
-        if held_split is None:
+    def evaluate_heldout(self, untrained: bool = False) -> None:
+        """Held-out metrics now; the best tau_sim so far is kept in `best/`. `untrained`: the fresh
+        head's figures, logged as the baseline (evaluation draws no random numbers, so the run and
+        its bit-for-bit resume are unchanged)."""
+        if self.held_split is None:
             return
-        with timer("eval"):
-            metrics = evaluate(accelerator.unwrap_model(wrapper).head, lm_head, held_split, cfg, accelerator, pad_id)
-        result.eval_metrics = metrics
+        with self.timer("eval"):
+            metrics = evaluate_heldout(self.head, self.lm_head, self.held_split, self.cfg, self.accelerator,
+                                       self.pad_id)
+        if untrained:
+            self.result.initial_eval_metrics = metrics
+            self.tracker.log(metrics, 0, prefix="eval_untrained")
+            heldout.check_heldout_finite(metrics, self.head, "the untrained head")
+            return
+        state = self.state
+        self.result.eval_metrics = metrics
+        self.last_eval_step = state.step
         state.metrics.update({f"eval/{k}": v for k, v in metrics.items()})
-        tracker.log(metrics, state.step, prefix="eval")
-        _check_heldout_finite(metrics, accelerator.unwrap_model(wrapper).head, f"step {state.step}")
+        self.tracker.log(metrics, state.step, prefix="eval")
+        heldout.check_heldout_finite(metrics, self.head, f"step {state.step}")
         if state.best_metric is None or metrics["tau_sim"] > state.best_metric:
             state.best_metric, state.best_step = metrics["tau_sim"], state.step
-            if accelerator.is_main_process:
-                with timer("checkpoint"):
-                    ckpt.save_best(out, accelerator.unwrap_model(wrapper).head,
-                                   {**head_extra, "step": state.step, **{f"eval_{k}": v for k, v in metrics.items()}})
-            accelerator.wait_for_everyone()
+            if self.accelerator.is_main_process:
+                with self.timer("checkpoint"):
+                    ckpt.save_best(self.out, self.head, {**self.head_extra, "step": state.step,
+                                                         **{f"eval_{k}": v for k, v in metrics.items()}})
+            self.accelerator.wait_for_everyone()
 
-    run_config = json.loads(json.dumps(asdict(cfg), default=str))
-    tracker = Tracker(cfg.logger, out, run_config, total=t.max_steps, initial=state.step,
-                      enabled=accelerator.is_main_process)
-    window = MetricSums()
-    window_t0 = time.perf_counter()
-    busy = ("eval", "checkpoint", "logging")  # time not spent training, left out of tokens/s
-    window_busy0 = sum(timer.seconds.get(k, 0.0) for k in busy)
-    last_saved_step = state.step if resume_from is not None else -1
-    last_eval_step = -1
-    if accelerator.is_main_process and resume_from is not None:
-        tracker.write(f"eagle-train: resumed from {resume_from} (step {state.step}, epoch {state.epoch}, "
-                      f"item {state.index})")
+    def save_checkpoint(self, rng_override: dict[str, Any] | None = None) -> Path:
+        with self.timer("checkpoint"):
+            self.state.epoch, self.state.index = self.stream.position.epoch, self.stream.position.index
+            path = ckpt.save_checkpoint(self.out, self.state, self.head, self.optimizer, self.scheduler,
+                                        self.cfg.train.keep_checkpoints, self.rank, self.accelerator.wait_for_everyone,
+                                        rng_override, self.head_extra, run_config=self.resume_record)
+        self.last_saved_step = self.state.step
+        return path
 
-    if resume_from is None and state.step == 0 and held_split is not None:
-        # The untrained head's held-out figures, so every run states what training bought. Evaluation
-        # draws no random numbers, so this leaves the run itself (and bit-for-bit resume) unchanged.
-        with timer("eval"):
-            result.initial_eval_metrics = evaluate(accelerator.unwrap_model(wrapper).head, lm_head, held_split,
-                                                   cfg, accelerator, pad_id)
-        tracker.log(result.initial_eval_metrics, 0, prefix="eval_untrained")
-        _check_heldout_finite(result.initial_eval_metrics, accelerator.unwrap_model(wrapper).head, "the untrained head")
+    # --- the loop ------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        self.setup()
+        t, state, result = self.cfg.train, self.state, self.result
+        if self.resume_from is None and state.step == 0:
+            self.evaluate_heldout(untrained=True)
+        with StopFlag() as stop:
+            while state.step < t.max_steps:
+                outcome = self.train_step(stop)
+                if outcome.nonfinite_stop:
+                    result.stopped = "nonfinite"
+                    break
+                state.step += 1
+                self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], loss=(
+                    self.window.summary(self.loss_weights, self.extra_weights)["loss"] if self.window.step_tokens else 0.0))
+                if state.step % t.log_every == 0 or state.step == t.max_steps:
+                    self.log_window(outcome)
+                if state.step % t.eval_every == 0:
+                    self.evaluate_heldout()
+                if state.step % t.save_every == 0 or outcome.stop_requested:
+                    result.last_checkpoint = self.save_checkpoint()
+                if self.hooks.on_step_end is not None:
+                    self.hooks.on_step_end(state.step)
+                if outcome.stop_requested:
+                    result.stopped = "signal"
+                    self.tracker.write(f"eagle-train: stopped by signal after step {state.step}; checkpoint "
+                                       f"{result.last_checkpoint}. Run the same command again to resume.")
+                    break
+            if result.stopped == "max_steps":
+                if self.last_eval_step != state.step:
+                    self.evaluate_heldout()
+                if self.last_saved_step != state.step:
+                    result.last_checkpoint = self.save_checkpoint()
+                if not (self.out / ckpt.BEST).is_dir() and self.accelerator.is_main_process:
+                    # No held-out split: the final weights are the best we can tell.
+                    ckpt.save_best(self.out, self.head, {**self.head_extra, "step": state.step})
+                    state.best_step = state.step
+                self.accelerator.wait_for_everyone()
+        return self.close()
 
-    with _StopFlag() as stop:
-        while state.step < t.max_steps:
-            pre_position = DataPosition(stream.position.epoch, stream.position.index)
-            pre_rng = ckpt.rng_state() if t.nonfinite == "stop" else None
-            with timer("data"):
-                micro, ids = stream.next_step()
-            # Global loss-token counts per unroll step: the denominator of every micro-batch's loss.
-            local = torch.zeros(steps, dtype=torch.float64)
-            for mb in micro:
-                a = aligned_inputs(mb, pad_id)
-                local += torch.tensor([float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], steps)],
-                                      dtype=torch.float64)
-            norms = accelerator.reduce(local.to(device), reduction="sum") if world > 1 else local
-            finite = True
-            for i, mb in enumerate(micro):
-                with timer("data"):
-                    mb = train_split.featurize(mb, device)
-                sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(wrapper)
-                with timer("forward_backward"), sync:
-                    parts = wrapper(mb, norms)
-                    accelerator.backward(parts.objective * backward_scale)
-                finite &= parts.finite
-                window.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                           float(mb["attention_mask"].sum()), float(mb["attention_mask"].numel()))
-            with timer("optimizer"):
-                if t.grad_clip > 0:
-                    grad_norm = accelerator.clip_grad_norm_(params, t.grad_clip)
-                else:
-                    grad_norm = _grad_norm(params)
-                grad_ok = bool(torch.isfinite(torch.as_tensor(grad_norm)).all())
-                # fp16: inf gradients are the loss scaler's business (it skips the step and lowers the scale).
-                bad_local = (not finite) or (not grad_ok and t.mixed_precision != "fp16")
-                flags = torch.tensor([float(bad_local), float(stop.signum is not None)], device=device)
-                if world > 1:
-                    flags = accelerator.reduce(flags, reduction="sum")
-                bad, stop_requested = bool(flags[0] > 0), bool(flags[1] > 0)
-                if bad:
-                    optimizer.zero_grad(set_to_none=True)
-                    all_ids = gather_object(ids) if world > 1 else ids
-                    tracker.write(f"eagle-train: non-finite loss or gradient at step {state.step + 1} "
-                                  f"(conversations {all_ids}); train.nonfinite={t.nonfinite}")
-                    if t.nonfinite == "stop":
-                        stream.position = pre_position
-                        result.last_checkpoint = save(pre_rng)
-                        result.stopped = "nonfinite"
-                        break
-                    state.skipped_steps.append(state.step + 1)
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-            state.step += 1
-            lr = scheduler.get_last_lr()[0]
-            tracker.advance(1, loss=window.summary(loss_weights, extra_weights)["loss"] if window.step_tokens else 0.0,
-                            lr=lr)
+    def close(self) -> TrainResult:
+        """Final summary: tracker closed, `train_summary.json`, and an error if nothing was learnt."""
+        state, result, out = self.state, self.result, self.out
+        self.tracker.summary({f"best/{k}": v for k, v in (result.eval_metrics or {}).items()})
+        self.tracker.close()
+        if state.step > 0 and len(state.skipped_steps) >= state.step:
+            raise TrainingError(
+                f"every one of the {state.step} optimizer steps had a non-finite loss or gradient and was skipped "
+                f"(train.nonfinite=skip): the head in {out} learnt nothing. Check the data (a capture with inf/nan "
+                "features: re-capture with capture.dtype=bfloat16) or lower train.lr"
+            )
+        result.step = state.step
+        result.best_metric, result.best_step = state.best_metric, state.best_step
+        result.best_dir = out / ckpt.BEST if (out / ckpt.BEST).is_dir() else None
+        result.skipped_steps = list(state.skipped_steps)
+        result.timings = dict(self.timer.seconds)
+        if self.accelerator.is_main_process:
+            summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+            ckpt.atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2, sort_keys=True,
+                                                                          default=str) + "\n")
+        self.accelerator.wait_for_everyone()
+        return result
 
-            if state.step % t.log_every == 0 or state.step == t.max_steps:
-                with timer("logging"):
-                    total = window.reduce(accelerator)
-                    elapsed = time.perf_counter() - window_t0
-                    elapsed -= sum(timer.seconds.get(k, 0.0) for k in busy) - window_busy0
-                    metrics = total.summary(loss_weights, extra_weights)
-                    metrics.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=total.tokens / max(elapsed, 1e-9),
-                                   padding_share=total.padding_share,
-                                   epoch=float(stream.position.epoch))
-                    result.train_metrics = metrics
-                    state.metrics.update({f"train/{k}": v for k, v in metrics.items()})
-                    tracker.log(metrics, state.step, prefix="train")
-                    window, window_t0 = MetricSums(), time.perf_counter()
-                    window_busy0 = sum(timer.seconds.get(k, 0.0) for k in busy)
-            if state.step % t.eval_every == 0:
-                run_eval()
-                last_eval_step = state.step
-            if state.step % t.save_every == 0 or stop_requested:
-                result.last_checkpoint = save()
-                last_saved_step = state.step
-            if hooks.on_step_end is not None:
-                hooks.on_step_end(state.step)
-            if stop_requested:
-                result.stopped = "signal"
-                tracker.write(f"eagle-train: stopped by signal after step {state.step}; checkpoint "
-                              f"{result.last_checkpoint}. Run the same command again to resume.")
-                break
 
-        if result.stopped == "max_steps":
-            if last_eval_step != state.step:
-                run_eval()
-            if last_saved_step != state.step:
-                result.last_checkpoint = save()
-            if not (out / ckpt.BEST).is_dir() and accelerator.is_main_process:
-                # No held-out split: the final weights are the best we can tell.
-                ckpt.save_best(out, accelerator.unwrap_model(wrapper).head, {**head_extra, "step": state.step})
-                state.best_step = state.step
-            accelerator.wait_for_everyone()
-
-    tracker.summary({f"best/{k}": v for k, v in (result.eval_metrics or {}).items()})
-    tracker.close()
-    if state.step > 0 and len(state.skipped_steps) >= state.step:
-        raise TrainingError(
-            f"every one of the {state.step} optimizer steps had a non-finite loss or gradient and was skipped "
-            f"(train.nonfinite=skip): the head in {out} learnt nothing. Check the data (a capture with inf/nan "
-            "features: re-capture with capture.dtype=bfloat16) or lower train.lr"
-        )
-    result.step = state.step
-    result.best_metric, result.best_step = state.best_metric, state.best_step
-    result.best_dir = out / ckpt.BEST if (out / ckpt.BEST).is_dir() else None
-    result.skipped_steps = list(state.skipped_steps)
-    result.timings = dict(timer.seconds)
-    if accelerator.is_main_process:
-        summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
-        ckpt.atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2, sort_keys=True,
-                                                                      default=str) + "\n")
-    accelerator.wait_for_everyone()
-    return result
+def train(cfg: RootConfig, hooks: TrainHooks | None = None) -> TrainResult:
+    """Train a draft head per `cfg` into `cfg.output_dir`; see the module docstring."""
+    return TrainRecipe(cfg, hooks).train()
 
 
 def format_result(result: TrainResult) -> str:
@@ -545,4 +421,4 @@ def format_result(result: TrainResult) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TrainHooks", "TrainResult", "TrainStep", "evaluate", "format_result", "head_losses", "train"]
+__all__ = ["TrainHooks", "TrainRecipe", "TrainResult", "TrainStep", "format_result", "train"]
