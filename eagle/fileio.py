@@ -7,10 +7,13 @@ itself survives a crash. This is what lets any stage be SIGKILLed and resumed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,51 @@ def temp_path(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(name)
+
+
+def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one rename
+    (for writers that want a file name, e.g. safetensors' `save_file`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make the finished folder `tmp` become `final` (same parent): its files are fsync'ed, an old
+    `final` is moved aside and removed only after the rename, so a crash leaves the old folder or
+    the new one (plus, at worst, a dot-named leftover the next publish clears)."""
+    old = final.parent / f".{final.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    fsync_tree(tmp)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """`with atomic_dir(out) as tmp:` fill `tmp`; on success it replaces `out` (`publish_dir`), on
+    an exception it is removed and `out` is untouched."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

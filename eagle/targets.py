@@ -13,8 +13,6 @@ import copy
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import torch
 from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
 from eagle.errors import TargetError
-from eagle.fileio import file_sha256
+from eagle.fileio import atomic_dir, file_sha256
 from eagle.precision import dtype_name, resolve_dtype
 
 
@@ -117,21 +115,13 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise TargetError(f"GGUF conversion of {gguf} lost weights: missing={missing} unexpected={unexpected}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:  # replaces an incomplete earlier attempt
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _plain_checkpoint_config(tmp)
         source = {"gguf": str(gguf), "sha256": digest, "conversion_version": GGUF_CONVERSION_VERSION}
         (tmp / "eagle_source.json").write_text(json.dumps(source, indent=2))
         (tmp / ".complete").write_text("")
-        if out.exists():  # an incomplete earlier attempt
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -542,3 +542,21 @@ def _read_wandb_history(path: Path) -> list[dict]:
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in rec.history.item})
     return rows
+
+
+def test_publish_dir_swaps_folders_under_the_name_resolution_knows(tmp_path):
+    """save_best's swap leaves `.best.old` if killed between its renames; draft.path resolution looks there."""
+    from eagle.artifacts import BEST, BEST_OLD
+    from eagle.fileio import atomic_dir
+
+    best = tmp_path / BEST
+    with atomic_dir(best) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError), atomic_dir(best) as tmp:
+        (tmp / "a").write_text("2")
+        raise RuntimeError("killed while writing")
+    assert (best / "a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == [BEST]
+    with atomic_dir(best) as tmp:
+        (tmp / "a").write_text("3")
+        (tmp_path / BEST_OLD).mkdir()  # a leftover of an earlier kill is cleared
+    assert (best / "a").read_text() == "3" and sorted(p.name for p in tmp_path.iterdir()) == [BEST]

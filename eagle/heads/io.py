@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
+from eagle.fileio import atomic_write_text, atomic_write_with
 from eagle.heads import eagle1, eagle3  # noqa: F401  (register the head classes)
 from eagle.heads.base import HEADS, DraftHead, HeadConfig
 from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
@@ -133,17 +132,6 @@ def build_head(
     return head
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def save_head(head: DraftHead, folder: Path, extra: dict[str, Any] | None = None) -> None:
     """Write `model.safetensors` + `head_config.json` into `folder` (created), atomically per file.
 
@@ -157,8 +145,8 @@ def save_head(head: DraftHead, folder: Path, extra: dict[str, Any] | None = None
     if extra:
         meta[_EXTRA_KEY] = json.dumps(extra, sort_keys=True)
     # Weights first, config last: a folder with a config always has matching weights.
-    _atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(state, p, metadata=meta))
-    _atomic_write(folder / CONFIG_NAME, lambda p: Path(p).write_text(head.config.to_json()))
+    atomic_write_with(folder / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata=meta))
+    atomic_write_text(folder / CONFIG_NAME, head.config.to_json())
 
 
 def read_head_config(folder: Path) -> HeadConfig:

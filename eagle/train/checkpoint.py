@@ -21,7 +21,6 @@ pointer update).
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from collections.abc import Callable
@@ -34,7 +33,6 @@ import torch
 
 from eagle.artifacts import (
     BEST,
-    BEST_OLD,
     CHECKPOINTS,
     LATEST,
     RUN_CONFIG,
@@ -44,7 +42,7 @@ from eagle.artifacts import (
 )
 from eagle.artifacts import checkpoint_step as _step_of
 from eagle.errors import CheckpointError
-from eagle.fileio import atomic_write_text, fsync_dir, fsync_tree
+from eagle.fileio import atomic_dir, atomic_write_text, publish_dir
 
 FORMAT_VERSION = 1
 
@@ -153,11 +151,7 @@ def save_checkpoint(
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
         if run_config is not None:
             (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True, default=str) + "\n")
-        fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
+        publish_dir(tmp, final)  # replaces the same step saved earlier (a final save right after a periodic one)
         atomic_write_text(Path(output_dir) / LATEST, f"{CHECKPOINTS}/{final.name}\n")
         prune_checkpoints(Path(output_dir), keep)
     barrier()
@@ -245,16 +239,7 @@ def save_best(output_dir: str | Path, head: torch.nn.Module, extra: dict[str, An
     """Replace `<output_dir>/best/` with `head` (rank 0 only); a crash leaves the old or the new one."""
     from eagle.heads.io import save_head
 
-    out = Path(output_dir)
-    best, tmp, old = out / BEST, out / f".{BEST}.tmp", out / BEST_OLD
-    for p in (tmp, old):
-        if p.exists():
-            shutil.rmtree(p)
-    save_head(head, tmp, extra=extra)
-    fsync_tree(tmp)
-    if best.exists():
-        os.replace(best, old)
-    os.replace(tmp, best)
-    fsync_dir(out)
-    shutil.rmtree(old, ignore_errors=True)
+    best = Path(output_dir) / BEST
+    with atomic_dir(best) as tmp:
+        save_head(head, tmp, extra=extra)
     return best
