@@ -23,17 +23,20 @@ from eagle.algorithms.losses import eagle3_loss, shift_left
 from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
 
+Number = torch.Tensor | float
+
 
 @dataclass
 class LossParts:
-    """One micro-batch's loss and the token-weighted sums the trainer logs."""
+    """One micro-batch's loss and the token-weighted sums the trainer logs. The sums are detached
+    0-d tensors (on the loss's device), so a training step needs no host sync until it logs."""
 
     objective: torch.Tensor  # scalar, already divided by the global token counts `norms`
-    step_loss: list[float]  # per step: sum of token losses
-    step_correct: list[float]
-    step_tokens: list[float]
-    extra: dict[str, float]  # per-token extras x step-0 tokens (Algorithm.extra_metrics)
-    finite: bool
+    step_loss: list[Number]  # per step: sum of token losses
+    step_correct: list[Number]
+    step_tokens: list[Number]
+    extra: dict[str, Number]  # per-token extras x step-0 tokens (Algorithm.extra_metrics)
+    finite: torch.Tensor  # bool scalar
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,12 @@ def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor
     }
 
 
-def token_norms(counts: list[int], norms: torch.Tensor | None) -> list[float]:
+def token_norms(counts: list[torch.Tensor], norms: torch.Tensor | None) -> list[torch.Tensor]:
     """Per unroll step, the token count a loss is divided by: the trainer's global one when given
     (so the gradient is the mean over the whole global batch), else this batch's own (at least 1)."""
     if norms is not None:
-        return [float(x) for x in norms.tolist()]
-    return [max(1.0, float(x)) for x in counts]
+        return [norms[i].to(counts[i].device, torch.float32) for i in range(len(counts))]
+    return [c.float().clamp(min=1.0) for c in counts]
 
 
 def unrolled_soft_ce(
@@ -80,16 +83,16 @@ def unrolled_soft_ce(
     d2t: torch.Tensor,  # [Vd] draft id -> target id offset
     decay: float,
     norms: torch.Tensor | None,
-) -> tuple[torch.Tensor, list[float], list[float], list[float], Any]:
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]:
     """The unrolled soft cross-entropy (`eagle3_loss`) as (objective, step sums, raw result)."""
     steps = len(step_logits)
-    counts = [int(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], steps)]
-    n = token_norms(counts, norms)
     r = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
+    counts = [c.float() for c in r.step_counts]  # 0-d tensors, as `step_masks` counts them
+    n = token_norms(counts, norms)
     objective = sum(decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps))
-    step_loss = [float(x.detach()) * c for x, c in zip(r.step_losses, r.step_counts, strict=True)]
-    step_correct = [round(float(x) * c) for x, c in zip(r.step_accuracy, r.step_counts, strict=True)]
-    return objective, step_loss, step_correct, [float(c) for c in r.step_counts], r
+    step_loss = [x.detach() * c for x, c in zip(r.step_losses, counts, strict=True)]
+    step_correct = [(x * c).round() for x, c in zip(r.step_accuracy, counts, strict=True)]
+    return objective, step_loss, step_correct, counts, r
 
 
 class Algorithm(ABC):

@@ -66,10 +66,11 @@ class Eagle1(Algorithm):
         mask = a["loss_mask"] & a["valid"]
         if s.steps == 1:
             r = eagle1_loss(outs[0], next_feature, lm_head.weight, mask, s.feature_weight, s.token_weight)
-            objective = r.loss * (r.count / token_norms([r.count], norms)[0])
-            return LossParts(objective, [float(r.token_loss.detach()) * r.count], [round(float(r.accuracy) * r.count)],
-                             [float(r.count)], {"feature_loss": float(r.feature_loss.detach()) * r.count},
-                             bool(torch.isfinite(r.loss.detach())))
+            count = torch.tensor(float(r.count), device=r.loss.device)  # eagle1_loss syncs anyway: it chunks by count
+            objective = r.loss * (count / token_norms([count], norms)[0])
+            return LossParts(objective, [r.token_loss.detach() * count], [(r.accuracy.to(count.device) * count).round()],
+                             [count], {"feature_loss": r.feature_loss.detach() * count},
+                             torch.isfinite(r.loss.detach()))
         # Evaluation: the full-vocabulary soft CE per unroll step, plus step 0's feature loss as in training.
         step_logits = [head.logits(o) for o in outs]  # steps x [B, T, V]
         with torch.no_grad():
@@ -80,8 +81,8 @@ class Eagle1(Algorithm):
         objective, step_loss, step_correct, step_tokens, _ = unrolled_soft_ce(
             step_logits, target_logits, a, t2d, d2t, s.decay, norms)
         diff = torch.nn.functional.smooth_l1_loss(outs[0][mask].float(), next_feature[mask].float(), reduction="none")
-        return LossParts(objective, step_loss, step_correct, step_tokens, {"feature_loss": float(diff.mean(-1).sum())},
-                         bool(torch.isfinite(objective.detach())))
+        return LossParts(objective, step_loss, step_correct, step_tokens, {"feature_loss": diff.mean(-1).sum().detach()},
+                         torch.isfinite(objective.detach()))
 
     # --- export --------------------------------------------------------------------------------
     def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:

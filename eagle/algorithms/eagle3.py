@@ -71,8 +71,8 @@ class Eagle3(Algorithm):
             step_logits, target_logits, a, t2d, d2t, s.decay, norms)
         extra = {}
         if r.coverage is not None and label_rows is None:  # with label rows every label is in the draft vocab
-            extra["coverage"] = float(r.coverage) * r.step_counts[0]
-        return LossParts(objective, step_loss, step_correct, step_tokens, extra, bool(torch.isfinite(objective.detach())))
+            extra["coverage"] = r.coverage * step_tokens[0]
+        return LossParts(objective, step_loss, step_correct, step_tokens, extra, torch.isfinite(objective.detach()))
 
     # --- export --------------------------------------------------------------------------------
     def export_tensor_name(self, name: str, fmt: str) -> str:

@@ -135,7 +135,7 @@ def eagle1_loss(
         correct = correct + ok
     token_loss = token_sum / n
     loss = feature_weight * feature_loss + token_weight * token_loss
-    return Eagle1Loss(loss, feature_loss, token_loss, correct.float().cpu() / n, count)
+    return Eagle1Loss(loss, feature_loss, token_loss, correct.float() / n, count)
 
 
 # --------------------------------------------------------------------------------------- EAGLE-3
@@ -144,7 +144,7 @@ class Eagle3Loss:
     loss: torch.Tensor  # scalar: sum_i decay^i * step_losses[i]
     step_losses: list[torch.Tensor] = field(default_factory=list)  # masked mean soft CE per step
     step_accuracy: list[torch.Tensor] = field(default_factory=list)  # top-1 accuracy per step
-    step_counts: list[int] = field(default_factory=list)  # masked positions per step
+    step_counts: list[torch.Tensor | int] = field(default_factory=list)  # masked positions per step (0-d)
     coverage: torch.Tensor | None = None  # step 0: share of positions whose target top-1 is in the draft vocab
 
 
@@ -223,8 +223,8 @@ def eagle3_loss(
     out = Eagle3Loss(loss=total)
     for i, logits in enumerate(step_logits):
         mask = _step_mask(loss_mask, attention_mask, i)  # [B, T]
-        count = int(mask.sum())
-        n = max(count, 1)
+        count = mask.sum()  # a tensor: no host sync in the training step
+        n = count.clamp(min=1)
         logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
         ce = -(shift_left(probs, i) * logp).sum(-1)  # [B, T]
         step_loss = (ce * mask).sum() / n
@@ -234,9 +234,9 @@ def eagle3_loss(
             correct = ((drafted == shift_left(top1, i, -1)) & mask).sum()
         total = total + decay**i * step_loss
         out.step_losses.append(step_loss)
-        out.step_accuracy.append(correct.float().cpu() / n)
+        out.step_accuracy.append(correct.float() / n)
         out.step_counts.append(count)
         if i == 0:
-            out.coverage = (in_vocab & mask).sum().float().cpu() / n
+            out.coverage = (in_vocab & mask).sum().float() / n
     out.loss = total
     return out

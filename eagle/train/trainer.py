@@ -241,7 +241,7 @@ class TrainRecipe:
         with self.timer("data"):
             micro, ids = self.stream.next_step()
         norms = self.global_token_counts(micro)
-        finite = True
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
         for i, mb in enumerate(micro):
             with self.timer("data"):
                 mb = self.train_split.featurize(mb, self.device)
@@ -249,18 +249,18 @@ class TrainRecipe:
             with self.timer("forward_backward"), sync:
                 parts = self.wrapper(mb, norms)
                 acc.backward(parts.objective)
-            finite &= parts.finite
+            finite = finite & parts.finite.to(self.device)
             self.window.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                            float(mb["attention_mask"].sum()), float(mb["attention_mask"].numel()))
+                            mb["attention_mask"].sum(), float(mb["attention_mask"].numel()))
         with self.timer("optimizer"):
             norm = acc.clip_grad_norm_(self.params, t.grad_clip) if t.grad_clip > 0 else grad_norm(self.params)
-            grad_ok = bool(torch.isfinite(torch.as_tensor(norm)).all())
-            # fp16: inf gradients are the loss scaler's business (it skips the step and lowers the scale).
-            bad_local = (not finite) or (not grad_ok and t.mixed_precision != "fp16")
-            flags = torch.tensor([float(bad_local), float(stop.signum is not None)], device=self.device)
+            bad_local = ~finite
+            if t.mixed_precision != "fp16":  # fp16: inf gradients are the loss scaler's business (it skips the step)
+                bad_local = bad_local | ~torch.isfinite(torch.as_tensor(norm, device=self.device)).all()
+            flags = torch.stack([bad_local.float(), torch.tensor(float(stop.signum is not None), device=self.device)])
             if self.world > 1:
                 flags = acc.reduce(flags, reduction="sum")
-            bad, stop_requested = bool(flags[0] > 0), bool(flags[1] > 0)
+            bad, stop_requested = (x > 0 for x in flags.tolist())  # the step's one host sync: skip or step
             if bad:
                 self.optimizer.zero_grad(set_to_none=True)
                 from accelerate.utils import gather_object
@@ -345,10 +345,9 @@ class TrainRecipe:
                     result.stopped = "nonfinite"
                     break
                 state.step += 1
-                self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], loss=(
-                    self.window.summary(self.loss_weights, self.extra_weights)["loss"] if self.window.step_tokens else 0.0))
                 if state.step % t.log_every == 0 or state.step == t.max_steps:
                     self.log_window(outcome)
+                self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], loss=result.train_metrics.get("loss", 0.0))
                 if state.step % t.eval_every == 0:
                     self.evaluate_heldout()
                 if state.step % t.save_every == 0 or outcome.stop_requested:

@@ -20,6 +20,7 @@ import os, signal, sys
 import torch
 torch.set_num_threads(1)
 from eagle.cli.app import compose
+from eagle import fileio
 from eagle.train import checkpoint, trainer
 
 mode, at = sys.argv[1], int(sys.argv[2])
@@ -29,12 +30,12 @@ hooks = None
 if mode == "between_steps":
     hooks = trainer.TrainHooks(on_step_end=lambda step: die() if step == at else None)
 elif mode == "during_save":  # files of step `at` written into the tmp folder, not yet renamed
-    real = checkpoint.fsync_tree
+    real = fileio.fsync_tree
     def fsync_tree(folder):
         real(folder)
         if folder.name == f".tmp-step-{at:07d}":
             die()
-    checkpoint.fsync_tree = fsync_tree
+    fileio.fsync_tree = fsync_tree
 elif mode == "before_pointer":  # step `at` renamed into place, `latest` still names the previous one
     real_write = checkpoint.atomic_write_text
     def atomic_write_text(path, text):
