@@ -18,6 +18,9 @@ STAGES=${STAGES:-"regenerate capture train eval export check"}
 R=(recipe=smollm2-135m-instruct)
 PATH="$PWD/.venv/bin:$PATH"
 REGEN="$WORK/regen/regenerated.jsonl"
+# The self-distilled data are kept in the repository (a few MB gzipped), so a new machine resumes
+# regeneration where the last one stopped instead of redoing hours of generation; outputs/ is scratch.
+KEPT=data/regenerated/smollm2-135m-instruct
 mkdir -p "$WORK"
 
 stage() {  # stage NAME COMMAND...: run it if NAME is in $STAGES, print and record its wall time
@@ -54,7 +57,30 @@ export_head() {
   eagle-export --check "$HEAD"
 }
 
+restore_regenerated() {  # the kept copy -> $WORK/regen, unless this machine already has as much
+  [ -f "$KEPT/regenerated.jsonl.gz" ] || return 0
+  local kept_lines have=0
+  kept_lines=$(gzip -dc "$KEPT/regenerated.jsonl.gz" | wc -l)
+  [ -f "$REGEN" ] && have=$(wc -l < "$REGEN")
+  if [ "$have" -lt "$kept_lines" ]; then
+    echo "== restore: $kept_lines regenerated conversations from $KEPT"
+    mkdir -p "$WORK/regen"
+    gzip -dc "$KEPT/regenerated.jsonl.gz" > "$REGEN.restore" && mv "$REGEN.restore" "$REGEN"
+    cp "$KEPT/regenerated.jsonl.meta.json" "$REGEN.meta.json"
+  fi
+}
+
+keep_regenerated() {  # $WORK/regen -> the kept copy (commit it: git add data/regenerated)
+  [ -f "$REGEN" ] || return 0
+  mkdir -p "$KEPT"
+  gzip -9 -n -c "$REGEN" > "$KEPT/regenerated.jsonl.gz.tmp" && mv "$KEPT/regenerated.jsonl.gz.tmp" "$KEPT/regenerated.jsonl.gz"
+  cp "$REGEN.meta.json" "$KEPT/regenerated.jsonl.meta.json"
+  echo "kept $(wc -l < "$REGEN") regenerated conversations in $KEPT (commit them)"
+}
+
+restore_regenerated
 stage regenerate eagle-regenerate "${R[@]}" data.max_conversations="$CONVERSATIONS" output_dir="$WORK/regen"
+[[ " $STAGES " == *" regenerate "* ]] && keep_regenerated
 # Held-out prompts never enter: MT-bench / HumanEval are removed from the data before regeneration.
 stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_conversations=null \
   output_dir="$WORK/capture"
