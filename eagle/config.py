@@ -108,6 +108,10 @@ class TrainConfig:
     mode: str = "offline"  # offline (captured shards) | online (target in the loop)
     data_dir: str | None = None  # capture output dir for offline mode
     max_steps: int = 1000
+    # Stop after this many minutes of this invocation (eval and checkpoints included), finishing the
+    # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
+    # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.
+    max_minutes: float | None = None
     batch_size: int = 4  # conversations per optimizer step (global, before accumulation split)
     grad_accum: int = 1
     max_length: int = 2048  # tokens per training sequence
@@ -271,6 +275,8 @@ def validate(cfg: RootConfig) -> RootConfig:
         _positive(f"train.{name}", getattr(t, name))
     for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_loss_weight", "token_loss_weight"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if t.max_minutes is not None and not t.max_minutes > 0:
+        raise ConfigError(f"train.max_minutes={t.max_minutes} must be > 0 (or null for no limit)")
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     d = cfg.decode

@@ -563,3 +563,19 @@ def test_publish_dir_swaps_folders_under_the_name_resolution_knows(tmp_path):
         (tmp / "a").write_text("3")
         (tmp_path / BEST_OLD).mkdir()  # a leftover of an earlier kill is cleared
     assert (best / "a").read_text() == "3" and sorted(p.name for p in tmp_path.iterdir()) == [BEST]
+
+
+def test_max_minutes_stops_saves_and_the_same_command_continues(ws3, tmp_path, monkeypatch):
+    """A time budget ends the run like max_steps (eval, checkpoint, best/); re-running continues it."""
+    from eagle.train import trainer
+
+    clock = iter(range(0, 10_000, 30))  # every perf_counter() call advances 30 s
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: float(next(clock)))
+    out = tmp_path / "o"
+    first = trainer.train(ws3.cfg(out, steps=50, train__max_minutes=1.0, train__eval_every=1000))
+    assert first.stopped == "max_minutes" and 0 < first.step < 50
+    assert first.last_checkpoint is not None and first.last_checkpoint.name == f"step-{first.step:07d}"
+    assert first.eval_metrics and first.best_dir is not None  # evaluated at the stop, as at max_steps
+    monkeypatch.undo()
+    rest = trainer.train(ws3.cfg(out, steps=first.step + 2, train__max_minutes=60.0, train__eval_every=1000))
+    assert rest.stopped == "max_steps" and rest.step == first.step + 2

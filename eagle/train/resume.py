@@ -38,7 +38,7 @@ from eagle.train.checkpoint import RUN_CONFIG, read_state
 
 # Keys that may change between a checkpoint and its resumption: what is logged, evaluated or kept.
 FREE_KEYS = frozenset({
-    "train.max_steps", "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints",
+    "train.max_steps", "train.max_minutes", "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints",
     "train.log_every", "train.resume", "train.nonfinite",
 })
 # Settings training never reads, or that only say where things are.

@@ -60,7 +60,7 @@ from eagle.train.schedule import build_optimizer, build_scheduler
 class TrainResult:
     output_dir: Path
     step: int  # optimizer steps done
-    stopped: str  # max_steps | signal | nonfinite
+    stopped: str  # max_steps | max_minutes | signal | nonfinite
     best_dir: Path | None
     best_metric: float | None  # held-out tau_sim of best/
     best_step: int | None
@@ -334,8 +334,10 @@ class TrainRecipe:
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainResult:
+        started = time.perf_counter()
         self.setup()
         t, state, result = self.cfg.train, self.state, self.result
+        deadline = started + 60.0 * t.max_minutes if t.max_minutes else None
         if self.resume_from is None and state.step == 0:
             self.evaluate_heldout(untrained=True)
         with StopFlag() as stop:
@@ -359,7 +361,12 @@ class TrainRecipe:
                     self.tracker.write(f"eagle-train: stopped by signal after step {state.step}; checkpoint "
                                        f"{result.last_checkpoint}. Run the same command again to resume.")
                     break
-            if result.stopped == "max_steps":
+                if deadline is not None and self.past(deadline) and state.step < t.max_steps:
+                    result.stopped = "max_minutes"
+                    self.tracker.write(f"eagle-train: train.max_minutes={t.max_minutes} reached after step "
+                                       f"{state.step}; run the same command again to continue.")
+                    break
+            if result.stopped in ("max_steps", "max_minutes"):
                 if self.last_eval_step != state.step:
                     self.evaluate_heldout()
                 if self.last_saved_step != state.step:
@@ -370,6 +377,13 @@ class TrainRecipe:
                     state.best_step = state.step
                 self.accelerator.wait_for_everyone()
         return self.close()
+
+    def past(self, deadline: float) -> bool:
+        """Whether this rank's clock passed `deadline`, agreed by all ranks (they stop together)."""
+        late = torch.tensor([float(time.perf_counter() > deadline)], device=self.device)
+        if self.world > 1:
+            late = self.accelerator.reduce(late, reduction="sum")
+        return bool(late.item() > 0)
 
     def close(self) -> TrainResult:
         """Final summary: tracker closed, `train_summary.json`, and an error if nothing was learnt."""
