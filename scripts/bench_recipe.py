@@ -1,0 +1,109 @@
+"""Which training settings learn most in a fixed CPU budget: one run per variant, same capture,
+same wall-clock budget, held-out acc@k / tau_sim at the end. All in one process, one after another.
+
+    python scripts/bench_recipe.py --capture outputs/ref/capture --minutes 20 \
+        [--variants old,recipe,lr-3e-4,...] [--eval-batches 24] [--workdir DIR] [--json OUT] [override ...]
+
+Each variant first runs a short probe (`--probe-steps`, discarded) to measure its seconds per step,
+then trains with `train.max_steps` = what fits the budget (so the warm-up + cosine schedule ends
+when the budget does) and `train.max_minutes` as the hard stop. Variants that cost more per step
+(longer TTT unroll, larger draft vocabulary) get fewer steps: that is the trade being measured.
+The held-out figures are on the capture's held-out split (`--eval-batches` x batch 2 conversations).
+
+`old` is the recipe before bf16 autocast and length grouping (float32, random batches); `recipe` is
+recipes/smollm2-135m-instruct.yaml as it stands. The ratio column is acc@0 against `old`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS: dict[str, list[str]] = {
+    "old": ["train.mixed_precision=no", "train.group_by_length=false"],
+    "recipe": [],
+    "lr-3e-4": ["train.lr=3e-4"],
+    "lr-1.2e-3": ["train.lr=1.2e-3"],
+    "warmup-200": ["train.warmup_steps=200"],
+    "ttt-3": ["train.ttt_steps=3"],
+    "ttt-7": ["train.ttt_steps=7"],
+    "vocab-4096": ["draft.draft_vocab_size=4096"],
+    "vocab-16384": ["draft.draft_vocab_size=16384"],
+}
+
+
+def _train(overrides: list[str]):
+    from eagle.cli.app import compose
+    from eagle.train.trainer import train
+
+    return train(compose(overrides))
+
+
+def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_steps: int) -> dict:
+    extra = VARIANTS[name]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    probe = _train(base + extra + [f"output_dir={work / f'probe-{name}-{stamp}'}", f"train.max_steps={probe_steps}",
+                                   f"train.eval_every={10 * probe_steps}", f"train.save_every={10 * probe_steps}",
+                                   "train.eval_batches=1", "train.warmup_steps=1"])
+    loop = sum(v for k, v in probe.timings.items() if k in ("data", "forward_backward", "optimizer"))
+    s_per_step = max(loop, 1e-3) / max(probe.step, 1)
+    # The budget also pays for held-out evaluations and checkpoints (~5% at these cadences).
+    steps = max(10, int(0.95 * 60.0 * minutes / s_per_step))
+    cadence = max(10, steps // 10)
+    t0 = time.perf_counter()
+    result = _train(base + extra + [f"output_dir={work / f'{name}-{stamp}'}", f"train.max_steps={steps}",
+                                    f"train.max_minutes={minutes}", f"train.eval_every={cadence}",
+                                    f"train.save_every={cadence}", "train.resume=false"])
+    m = result.eval_metrics
+    return {"variant": name, "overrides": extra, "s_per_step_probe": s_per_step, "planned_steps": steps,
+            "steps": result.step, "stopped": result.stopped, "wall_s": time.perf_counter() - t0,
+            "tokens_per_s": result.train_metrics.get("tokens_per_s"), "heldout": m,
+            "best_tau_sim": result.best_metric, "best_step": result.best_step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--capture", type=Path, required=True, help="an eagle-capture output_dir (recipe settings)")
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget per variant")
+    p.add_argument("--variants", default="old,recipe", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--probe-steps", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=24)
+    p.add_argument("--recipe", default="smollm2-135m-instruct")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every variant")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if not (args.capture / "manifest.json").is_file():
+        p.error(f"--capture {args.capture}: no manifest.json (run eagle-capture recipe={args.recipe} first)")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
+    base = [f"recipe={args.recipe}", f"train.data_dir={args.capture}", f"train.eval_batches={args.eval_batches}",
+            "train.log_every=10", *args.overrides]
+    rows = []
+    for name in variants:
+        rows.append(run_variant(name, base, work, args.minutes, args.probe_steps))
+        print(json.dumps(rows[-1], default=str), flush=True)  # each variant's result as soon as it exists
+    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "runs": rows}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    old = next((r for r in rows if r["variant"] == "old"), None)
+    print(f"\n{args.minutes:g} minutes per variant on {args.capture}")
+    print("variant        steps  s/step  tok/s   acc@0  acc@1  acc@2  tau_sim  acc@0 vs old")
+    for r in rows:
+        m = r["heldout"] or {}
+        ratio = (f"{m['acc_0'] / old['heldout']['acc_0']:.2f}x"
+                 if old and old["heldout"] and old["heldout"].get("acc_0") and "acc_0" in m else "-")
+        print(f"{r['variant']:<14} {r['steps']:5d}  {r['s_per_step_probe']:6.2f}  {r['tokens_per_s'] or 0:5.0f}  "
+              f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
+              f"  {m.get('tau_sim', float('nan')):7.3f}  {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
