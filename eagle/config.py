@@ -101,6 +101,11 @@ class DraftConfig:
     draft_vocab_size: int | None = 32000  # EAGLE-3 reduced vocabulary; None = full target vocab
     feature_noise_std: float = 0.0  # uniform noise on features during training (EAGLE-1 uses 0.1 spread)
     intermediate_size: int | None = None  # MLP width; None = the target's
+    # EAGLE-3.1 normalisations (EAGLE-3 only; as SpecForge / speculators / vLLM name them): fc_norm =
+    # one RMSNorm per aux layer before fc (the three layers' scales differ by orders of magnitude);
+    # norm_output = the normed output is what the next unroll / draft step reads.
+    fc_norm: bool = False
+    norm_output: bool = False
 
 
 @dataclass

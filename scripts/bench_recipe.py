@@ -33,6 +33,7 @@ VARIANTS: dict[str, list[str]] = {
     "ttt-7": ["train.ttt_steps=7"],
     "vocab-4096": ["draft.draft_vocab_size=4096"],
     "vocab-16384": ["draft.draft_vocab_size=16384"],
+    "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],  # SpecForge / speculators / vLLM norms
 }
 
 

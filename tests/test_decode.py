@@ -25,7 +25,8 @@ STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_greedy_equals_target_greedy(tiny_target, tree):
     model, tok = tiny_target
-    heads = {"eagle1": random_head(model, "eagle1"), "eagle3": random_head(model, "eagle3", draft_vocab_size=200)}
+    heads = {"eagle1": random_head(model, "eagle1"), "eagle3": random_head(model, "eagle3", draft_vocab_size=200),
+             "eagle3.1": random_head(model, "eagle3", draft_vocab_size=200, fc_norm=True, norm_output=True)}
     for i, text in enumerate(PROMPTS[:2]):
         ids = prompt_ids(tok, text)
         n = 20 + 7 * i

@@ -296,3 +296,43 @@ def test_old_speculators_export_without_embedding_still_checks(heads, target, tm
         {"embed_tokens.weight": torch.zeros(heads["eagle3"].config.vocab_size, heads["eagle3"].config.hidden_size)}))
     with pytest.raises(ExportError, match="all zeros"):
         check_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def eagle31(target):
+    cfg = head_config_from_target(target.config, DraftConfig(algorithm="eagle3", draft_vocab_size=DRAFT_VOCAB,
+                                                             fc_norm=True, norm_output=True))
+    head = build_head(cfg, target, vocab_counts=torch.arange(cfg.vocab_size, dtype=torch.float) % 13)
+    _randomise(head, 3)
+    return head.eval()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "hf"])
+def test_eagle31_head_exports_its_norms_and_round_trips(fmt, eagle31, target, tmp_path):
+    export_head(eagle31, tmp_path / fmt, fmt, dtype="float32", target_path="org/target-model")
+    cfg = _config(tmp_path / fmt)
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # the names vLLM's Eagle3LlamaForCausalLM reads
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= _keys(tmp_path / fmt)
+    loaded = load_exported_head(tmp_path / fmt, target)
+    assert loaded.config.fc_norm and loaded.config.norm_output
+    assert torch.equal(_outputs(loaded), _outputs(eagle31))
+    # A vLLM-style folder written elsewhere (no eagle block) is read with the same options.
+    raw = {k: v for k, v in cfg.items() if k != EXPORT_META_KEY}
+    from eagle.export.formats import head_config_from_config
+
+    third, _ = head_config_from_config(raw, "x")
+    assert third.fc_norm and third.norm_output
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_eagle31_head_is_refused_by_formats_that_cannot_express_it(fmt, eagle31, tmp_path):
+    with pytest.raises(ExportError, match=rf"format={fmt} cannot express the EAGLE-3.1 option\(s\) fc_norm, "
+                                          "norm_output.*format=vllm \\| hf"):
+        export_head(eagle31, tmp_path / fmt, fmt, dtype="float32", target_path="org/target-model")
+    assert not (tmp_path / fmt / "model.safetensors").exists()
+
+
+def test_plain_eagle3_exports_do_not_name_the_eagle31_options(heads, tmp_path):
+    export_head(heads["eagle3"], tmp_path / "v", "vllm", dtype="float32", target_path="org/target-model")
+    cfg = _config(tmp_path / "v")
+    assert "fc_norm" not in cfg and "norm_output" not in cfg  # so older exports still pass --check

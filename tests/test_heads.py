@@ -25,8 +25,8 @@ def target(request):
     return request.param, make_model(request.param)[0]
 
 
-def _head(model, algo: str, seed: int = 0):
-    cfg = head_config_from_target(model.config, DraftConfig(algorithm=algo, draft_vocab_size=DRAFT_VOCAB))
+def _head(model, algo: str, seed: int = 0, **options):
+    cfg = head_config_from_target(model.config, DraftConfig(algorithm=algo, draft_vocab_size=DRAFT_VOCAB, **options))
     counts = torch.bincount(torch.randint(0, cfg.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)),
                             minlength=cfg.vocab_size)
     torch.manual_seed(seed)
@@ -115,12 +115,13 @@ def test_save_load_round_trip(target, algo, tmp_path):
     assert read_head_extra(tmp_path / "h") == {"step": 5}
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_cached_incremental_forward_matches_full(target, algo):
+@pytest.mark.parametrize("algo, options", [("eagle1", {}), ("eagle3", {}),
+                                           ("eagle3", {"fc_norm": True, "norm_output": True})])
+def test_cached_incremental_forward_matches_full(target, algo, options):
     from transformers import DynamicCache
 
     family, model = target
-    head = _head(model, algo)
+    head = _head(model, algo, **options)
     ids, feats, pos = _inputs(head, b=2, t=9)
     with torch.no_grad():
         hidden = head.project_features(feats)
@@ -268,3 +269,28 @@ def test_eagle3_on_smollm2_default_config(smollm2, tmp_path):
     save_head(head, tmp_path / "h")
     loaded = load_head(tmp_path / "h", target_model=model, algorithm="eagle3")
     assert torch.equal(loaded.d2t, head.d2t)
+
+
+def test_eagle31_options_normalise_each_layer_and_feed_back_the_normed_state():
+    model, _ = make_model("llama")
+    head = _head(model, "eagle3", fc_norm=True, norm_output=True)
+    plain = _head(model, "eagle3")
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(head.trainable_state_dict())
+    assert not any(k.startswith("fc_norm.") for k in plain.trainable_state_dict())
+    ids, feats, pos = _inputs(head)
+    scaled = feats.clone()
+    scaled[:, :, 1] *= 300.0  # one aux layer on another scale (as a deep layer's residual stream is)
+    with torch.no_grad():
+        torch.testing.assert_close(head.project_features(scaled), head.project_features(feats), atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(plain.project_features(scaled), plain.project_features(feats))
+        out = head(ids, head.project_features(feats), pos)
+        # norm_output: what is fed back is the final-normed state (RMS = the norm's weight, ones at init),
+        # and the logits read it without normalising twice.
+        torch.testing.assert_close(out.pow(2).mean(-1).sqrt(), torch.ones(out.shape[:2]), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(head.logits(out), head.lm_head(out))
+
+
+def test_eagle31_options_are_refused_for_eagle1():
+    model, _ = make_model("llama")
+    with pytest.raises(ConfigError, match="draft.fc_norm / draft.norm_output are EAGLE-3.1 options"):
+        head_config_from_target(model.config, DraftConfig(algorithm="eagle1", fc_norm=True))

@@ -32,6 +32,7 @@ def _record(tmp_path: Path, *overrides: str):
     "train.weight_decay=0.1", "train.betas=[0.9,0.99]", "train.grad_clip=1.0", "train.mixed_precision=bf16",
     "train.seed=1", "train.mode=online", "draft.algorithm=eagle1", "draft.draft_vocab_size=64",
     "draft.feature_noise_std=0.1", "draft.aux_layer_ids=[1,2,3]", "target.path=/elsewhere",
+    "draft.fc_norm=true", "draft.norm_output=true", "train.group_by_length=true",
 ])
 def test_trajectory_keys_are_refused(tmp_path, override):
     changes = compare(_record(tmp_path), _record(tmp_path, override))

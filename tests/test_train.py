@@ -579,3 +579,13 @@ def test_max_minutes_stops_saves_and_the_same_command_continues(ws3, tmp_path, m
     monkeypatch.undo()
     rest = trainer.train(ws3.cfg(out, steps=first.step + 2, train__max_minutes=60.0, train__eval_every=1000))
     assert rest.stopped == "max_steps" and rest.step == first.step + 2
+
+
+def test_eagle31_head_trains_and_its_checkpoint_loads_with_the_options(ws3, tmp_path):
+    from eagle.heads.io import load_head
+    from eagle.train.trainer import train
+
+    result = train(ws3.cfg(tmp_path / "o", steps=6, draft__fc_norm=True, draft__norm_output=True))
+    assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
+    head = load_head(final_head(tmp_path / "o", 6))
+    assert head.config.fc_norm and head.config.norm_output and hasattr(head, "fc_norm")

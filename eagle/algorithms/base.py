@@ -164,6 +164,9 @@ class Algorithm(ABC):
         """Our tensors as `fmt` keeps them (before renaming); refuses what `fmt` cannot express."""
         return tensors
 
+    def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:  # noqa: B027 (a hook: no options, nothing to refuse)
+        """Refuse (ExportError) a head option that format `fmt` cannot express."""
+
     @abstractmethod
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
         """config.json fields of a vllm / sglang / hf folder beyond the Llama layer config."""

@@ -18,6 +18,7 @@ from torch import nn
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
 from eagle.algorithms.losses import shift_left
 from eagle.algorithms.ttt import ttt_forward
+from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.eagle3 import Eagle3Head
 
@@ -92,9 +93,23 @@ class Eagle3(Algorithm):
         return {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
                 "t2d": torch.ones(cfg.vocab_size, dtype=torch.bool)}
 
+    # vLLM's Eagle3LlamaForCausalLM reads `fc_norm` / `norm_output` (vllm 0.32, llama_eagle3.py); SGLang's
+    # LlamaForCausalLMEagle3 and the speculators library's Eagle3 model have no such options.
+    _NORM_FORMATS = ("vllm", "hf")
+
+    def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:
+        options = [name for name in ("fc_norm", "norm_output") if getattr(cfg, name)]
+        if options and fmt not in self._NORM_FORMATS:
+            raise ExportError(f"format={fmt} cannot express the EAGLE-3.1 option(s) {', '.join(options)} of this "
+                              f"head (its runtime would build the head without them and draft from other "
+                              f"values); export with format={' | '.join(self._NORM_FORMATS)}")
+
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
                                "norm_before_residual": False}
+        for name in ("fc_norm", "norm_output"):  # written only when on: older exports, and runtimes, default off
+            if getattr(cfg, name):
+                out[name] = True
         if fmt == "sglang":
             # SGLang captures layer (id + 1)'s input for each id listed here.
             out["eagle_config"] = {"use_aux_hidden_state": True,

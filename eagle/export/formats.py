@@ -29,6 +29,10 @@ loads the verifier from; `export.verifier` picks it (default: the local target f
 Layer-id conventions differ: our `aux_layer_ids` (and vLLM's / speculators'
 `eagle_aux_hidden_state_layer_ids`) name the *input* of decoder layer i; SGLang adds 1 to the ids
 in `eagle_config` (id k there means the output of layer k), so the SGLang folder stores ids - 1.
+EAGLE-3.1 options (`HeadConfig.fc_norm`: an RMSNorm per aux layer before fc, stored as
+`fc_norm.{i}.weight`; `norm_output`: the normed output fed back) are written as `fc_norm` /
+`norm_output` in vllm and hf folders (vLLM's Eagle3LlamaForCausalLM reads both); sglang and
+speculators exports of such a head are refused, as those loaders would silently drop them.
 Both runtimes take `norm_before_residual` to mean the residual is taken after `hidden_norm`; our
 head takes it before, so every config says `false` explicitly (vLLM's speculators path defaults it
 to true when absent).
@@ -157,6 +161,7 @@ def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any]
     if fmt not in algo.export_formats:
         raise ExportError(f"format={fmt} cannot express an {algo.title} head; export it with format="
                           + " | ".join(algo.export_formats))
+    algo.check_exportable(cfg, fmt)
     if fmt == "speculators":
         verifier = verifier or {"name_or_path": None, "architectures": []}
         return {
@@ -242,7 +247,7 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
     layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
     if not isinstance(layer, dict):
         raise ExportError(f"{where}: transformer_layer_config must be a JSON object")
-    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+    for flag in ("norm_before_residual", "norm_before_fc"):
         if config.get(flag) or layer.get(flag):
             raise ExportError(f"{where}: {flag}=true is a head variant eagle does not implement; such a head "
                               "cannot be loaded here")
@@ -279,6 +284,8 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
             max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
             rope_parameters=_rope_from(layer),
             aux_layer_ids=aux if num_aux else [],
+            fc_norm=bool(num_aux and (config.get("fc_norm") or layer.get("fc_norm"))),
+            norm_output=bool(num_aux and (config.get("norm_output") or layer.get("norm_output"))),
         )
     except KeyError as e:
         raise ExportError(f"{where}: config field {e.args[0]!r} is missing") from e

@@ -51,6 +51,10 @@ class HeadConfig:
     aux_layer_ids: list[int] = field(default_factory=list)  # EAGLE-3 feature layers (vLLM convention)
     target_model_type: str = ""
     target_fingerprint: str = ""  # TargetInfo.fingerprint of the target the head was trained on
+    # EAGLE-3.1 normalisations (fused-feature heads): one RMSNorm per aux layer before `fc`, and the
+    # final-normed output (not the pre-norm one) fed back as the next step's hidden state.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

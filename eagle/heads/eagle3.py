@@ -5,6 +5,10 @@
     out     = midlayer(x, residual=h)                                [B, T, H]  (fed back as h)
     logits  = lm_head(norm(out))                                     [B, T, V_draft]
 
+EAGLE-3.1 options (`HeadConfig`): fc_norm normalises each aux layer before fc,
+h0 = fc(cat(fc_norm.0(f_low), fc_norm.1(f_mid), fc_norm.2(f_high))); norm_output returns norm(out)
+from `forward`, so the normed state is fed back, and `logits` applies lm_head to it directly.
+
 Draft id d maps to target id d + d2t[d]; t2d[v] says whether target id v is in the draft vocab.
 Both are buffers saved with the head (vLLM / SGLang read them under these names).
 """
@@ -42,6 +46,9 @@ class Eagle3Head(DraftHead):
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
         self.midlayer = DecoderLayer(config, fused_input=True)
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in config.aux_layer_ids)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
         # Identity vocab maps until `set_draft_vocab` (or a checkpoint) fills them in.
@@ -105,7 +112,10 @@ class Eagle3Head(DraftHead):
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         b, t, k, ht = features.shape  # [B, T, 3, Ht]
-        return self.fc(features.reshape(b, t, k * ht).to(self.fc.weight.dtype))  # [B, T, H]
+        features = features.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            features = torch.stack([norm(features[:, :, i]) for i, norm in enumerate(self.fc_norm)], dim=2)
+        return self.fc(features.reshape(b, t, k * ht))  # [B, T, H]
 
     def forward(
         self,
@@ -117,8 +127,10 @@ class Eagle3Head(DraftHead):
     ) -> torch.Tensor:
         embeds = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        return self.midlayer(hidden, cos, sin, embeds=embeds, attention_mask=attention_mask,
-                             past_key_values=past_key_values)  # [B, T, H]
+        out = self.midlayer(hidden, cos, sin, embeds=embeds, attention_mask=attention_mask,
+                            past_key_values=past_key_values)  # [B, T, H]
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # [B, T, V_draft]
+        normed = hidden if self.config.norm_output else self.norm(hidden)  # norm_output: already normed
+        return self.lm_head(normed)  # [B, T, V_draft]

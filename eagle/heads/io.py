@@ -85,6 +85,9 @@ def head_config_from_target(
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
                 raise ConfigError(problem)
+    if (draft_cfg.fc_norm or draft_cfg.norm_output) and not head_cls.fused_layers:
+        raise ConfigError(f"draft.fc_norm / draft.norm_output are EAGLE-3.1 options of fused-feature heads; "
+                          f"draft.algorithm={algo} has no aux layers: set them to false")
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     return HeadConfig(
         algorithm=algo,
@@ -104,6 +107,8 @@ def head_config_from_target(
         aux_layer_ids=aux,
         target_model_type=str(getattr(text, "model_type", "") or ""),
         target_fingerprint=target_info.fingerprint if target_info is not None else "",
+        fc_norm=bool(draft_cfg.fc_norm),
+        norm_output=bool(draft_cfg.norm_output),
     )
 
 

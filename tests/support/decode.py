@@ -18,10 +18,13 @@ from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.io import build_head, head_config_from_target
 
 
-def random_head(target: Any, algorithm: str, draft_vocab_size: int | None = None, seed: int = 0) -> DraftHead:
-    """A freshly initialised head of `algorithm` attached to `target` (EAGLE-3 may use a reduced vocab)."""
+def random_head(target: Any, algorithm: str, draft_vocab_size: int | None = None, seed: int = 0,
+                **options: Any) -> DraftHead:
+    """A freshly initialised head of `algorithm` attached to `target` (EAGLE-3 may use a reduced vocab;
+    `options`: other DraftConfig fields, e.g. fc_norm=True)."""
     torch.manual_seed(seed)
-    cfg = head_config_from_target(target.config, DraftConfig(algorithm=algorithm, draft_vocab_size=draft_vocab_size))
+    cfg = head_config_from_target(target.config, DraftConfig(algorithm=algorithm, draft_vocab_size=draft_vocab_size,
+                                                             **options))
     counts = None
     if algorithm == "eagle3" and cfg.draft_vocab_size < cfg.vocab_size:
         counts = torch.randint(1, 100, (cfg.vocab_size,))
