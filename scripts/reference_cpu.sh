@@ -6,7 +6,7 @@
 # capture skips written shards, training continues from its last checkpoint), so the chain can be
 # split over several sessions. Prints the wall time of each stage, also appended to $WORK/stages.tsv.
 #
-#   CONVERSATIONS=4000 STEPS=6000 bash scripts/reference_cpu.sh
+#   CONVERSATIONS=4000 STEPS=6000 [MAX_MINUTES=60] bash scripts/reference_cpu.sh
 #   STAGES="regenerate capture" bash scripts/reference_cpu.sh      (only some stages)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +86,9 @@ stage regenerate eagle-regenerate "${R[@]}" data.max_conversations="$CONVERSATIO
 # float32 capture here (bench_capture, 48 conversations: 2306 vs 771 tok/s).
 stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_conversations=null \
   target.dtype=bfloat16 output_dir="$WORK/capture"
-stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" output_dir="$WORK/train"
+# MAX_MINUTES=N stops training after N minutes (checkpoint saved); the same command continues it.
+stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" \
+  ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} output_dir="$WORK/train"
 stage eval evaluate
 stage export export_head
 stage check bash scripts/check_vllm.sh "$HEAD"
