@@ -95,18 +95,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_with(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
