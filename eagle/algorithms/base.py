@@ -111,11 +111,13 @@ class Algorithm(ABC):
     sglang_algorithm: ClassVar[str]
     extra_metrics: ClassVar[tuple[str, ...]] = ()  # keys of LossParts.extra, weighted per step-0 token
 
-    # Feature spec: how many aux (low/mid/high) target layers the head fuses (`HeadConfig.aux_layer_ids`;
-    # 0 = it reads the final state only). The final state is always captured: it gives the labels.
-    num_aux_layers: ClassVar[int] = 0
-
     # --- feature spec --------------------------------------------------------------------------
+    @property
+    def num_aux_layers(self) -> int:
+        """Aux (low/mid/high) target layers the head fuses, as its head class declares (0 = the final
+        state only). The final state is always captured: it gives the labels."""
+        return self.head_class.num_aux_layers
+
     def capture_layer_ids(self, aux_layer_ids: list[int]) -> list[int] | None:
         """The aux layers a capture stores beside the final state (None: the final state only)."""
         return list(aux_layer_ids) if self.num_aux_layers else None

@@ -37,7 +37,6 @@ class Eagle3(Algorithm):
     vllm_method: ClassVar[str] = "eagle3"
     sglang_algorithm: ClassVar[str] = "EAGLE3"
     extra_metrics: ClassVar[tuple[str, ...]] = ("coverage",)
-    num_aux_layers: ClassVar[int] = 3
 
     def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
         """The frozen LM head's rows for the draft vocabulary ([Vd, H]) when it is reduced: the soft

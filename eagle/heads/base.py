@@ -76,12 +76,13 @@ class DraftHead(nn.Module, ABC):
     """One draft-head implementation per algorithm; sizes come from `HeadConfig`.
 
     A subclass declares what it reads and drafts from, so no caller compares algorithm names:
-    `fused_layers` (the target's low/mid/high aux layers, `HeadConfig.aux_layer_ids`, instead of
-    its final state alone) and `reduced_vocab` (may draft from a subset of the vocabulary).
+    `num_aux_layers` (how many of the target's low/mid/high aux layers, `HeadConfig.aux_layer_ids`, it
+    fuses; 0 = it reads the target's final state alone) and `reduced_vocab` (may draft from a subset
+    of the vocabulary).
     """
 
     algorithm: ClassVar[str]  # the `draft.algorithm` / `HeadConfig.algorithm` name it is registered under
-    fused_layers: ClassVar[bool] = False
+    num_aux_layers: ClassVar[int] = 0
     reduced_vocab: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig) -> None:

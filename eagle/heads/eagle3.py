@@ -35,13 +35,13 @@ class Eagle3Head(DraftHead):
     """The EAGLE-3 head; sizes from `HeadConfig`, token embeddings borrowed from the target."""
 
     algorithm: ClassVar[str] = "eagle3"
-    fused_layers: ClassVar[bool] = True
+    num_aux_layers: ClassVar[int] = 3
     reduced_vocab: ClassVar[bool] = True
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)
-        if len(config.aux_layer_ids) != 3:
-            raise ValueError(f"EAGLE-3 needs 3 aux layer ids, got {config.aux_layer_ids}")
+        if len(config.aux_layer_ids) != self.num_aux_layers:
+            raise ValueError(f"EAGLE-3 needs {self.num_aux_layers} aux layer ids, got {config.aux_layer_ids}")
         h = config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
         self.midlayer = DecoderLayer(config, fused_input=True)

@@ -57,7 +57,7 @@ def head_config_from_target(
 
     A head without `reduced_vocab` (EAGLE-1) uses the full target vocabulary (`draft.draft_vocab_size`
     is ignored); one with it (EAGLE-3) uses `draft.draft_vocab_size` (None = full vocabulary). A head
-    with `fused_layers` reads `draft.aux_layer_ids` (None = the target's default three).
+    with `num_aux_layers` reads `draft.aux_layer_ids` (None = the target's default three).
     """
     text = text_config(target_config)
     algo = draft_cfg.algorithm
@@ -75,7 +75,7 @@ def head_config_from_target(
         if draft_vocab > vocab:
             raise ConfigError(f"draft.draft_vocab_size={draft_vocab} exceeds the target's vocabulary ({vocab}); "
                               f"set draft.draft_vocab_size<={vocab} or null for the full vocabulary")
-    if head_cls.fused_layers:
+    if head_cls.num_aux_layers:
         if draft_cfg.aux_layer_ids is None:
             try:
                 aux = default_aux_layer_ids(layers)
@@ -85,7 +85,7 @@ def head_config_from_target(
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
                 raise ConfigError(problem)
-    if (draft_cfg.fc_norm or draft_cfg.norm_output) and not head_cls.fused_layers:
+    if (draft_cfg.fc_norm or draft_cfg.norm_output) and not head_cls.num_aux_layers:
         raise ConfigError(f"draft.fc_norm / draft.norm_output are EAGLE-3.1 options of fused-feature heads; "
                           f"draft.algorithm={algo} has no aux layers: set them to false")
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
