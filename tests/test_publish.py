@@ -41,7 +41,7 @@ def run_dir(tmp_path_factory, tiny_target_dir) -> Path:
     ev.mkdir()
     (ev / "report.json").write_text(json.dumps({
         "num_prompts": 80, "tau": 2.7125, "speedup": 1.8512, "speedup_vs_autoregressive": 2.0433,
-        "settings": {"prompts": "mt_bench", "temperature": 0.0, "tree": {"kind": "dynamic", "total_tokens": 16},
+        "settings": {"prompts": "mt_bench", "temperature": 0.0, "dtype": "bfloat16", "tree": {"kind": "dynamic", "total_tokens": 16},
                      "hardware": {"cpu": "Test CPU 9000", "device": "cpu", "torch_threads": 2}}}))
     return root
 
@@ -69,6 +69,7 @@ def test_dry_run_writes_card_with_figures_and_provenance(run_dir, tiny_target_di
     row = next(line for line in body.splitlines() if line.startswith("| mt_bench"))
     assert "| 80 |" in row and "2.71" in row and "1.85x" in row and "2.04x" in row
     assert "kind=dynamic, total_tokens=16" in row and "Test CPU 9000" in row and "| 0.00 |" in row
+    assert "| bfloat16 |" in row  # the dtype every figure of the row is for
     assert "num_conversations=321" in body and "num_tokens=45678" in body
     assert "/home/someone/private" not in body  # paths from the manifest stay out of the card
     assert f"eagle-train target.path={tiny_target_dir}" in body and "train.max_steps=77" in body

@@ -74,6 +74,7 @@ def report_row(report: dict[str, Any]) -> dict[str, str]:
         "benchmark": str(s.get("prompts", "n/a")),
         "prompts": _fmt(report.get("num_prompts")),
         "temperature": _fmt(s.get("temperature")),
+        "dtype": str(s.get("dtype") or "n/a"),  # every figure of a report is for this one dtype
         "tree": _tree_text(s.get("tree")),
         "tau": _fmt(report.get("tau")),
         "speedup": _fmt(report.get("speedup"), suffix="x"),
@@ -186,11 +187,11 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     if reports:
         lines += ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
                   "Hugging Face `generate` (and plain autoregressive decoding with the same code).", "",
-                  "| benchmark | prompts | temperature | tree | tau | speedup vs HF generate | speedup vs autoregressive "
-                  "| hardware |", "|---|---:|---:|---|---:|---:|---:|---|"]
+                  "| benchmark | prompts | temperature | dtype | tree | tau | speedup vs HF generate | "
+                  "speedup vs autoregressive | hardware |", "|---|---:|---:|---|---|---:|---:|---:|---|"]
         for r in reports:
             row = report_row(r)
-            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['tree']} | "
+            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['dtype']} | {row['tree']} | "
                          f"{row['tau']} | {row['speedup']} | {row['speedup_ar']} | {row['hardware']} |")
     else:
         lines.append("No evaluation reports were attached (publish.reports); run `eagle-eval` and republish.")
