@@ -113,6 +113,11 @@ class TrainConfig:
     mode: str = "offline"  # offline (captured shards) | online (target in the loop)
     data_dir: str | None = None  # capture output dir for offline mode
     max_steps: int = 1000
+    # Warm start: begin from this head's weights (a training dir, a checkpoint, a head folder or an
+    # exported folder, as draft.path) instead of a fresh init; optimizer and schedule start fresh.
+    # Its shape (HeadConfig) must equal the one this run builds. A resumed run ignores it (the
+    # checkpoint holds the weights). None: fresh init.
+    init_from: str | None = None
     # Stop after this many minutes of this invocation (eval and checkpoints included), finishing the
     # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
     # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.

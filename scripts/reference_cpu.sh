@@ -8,6 +8,7 @@
 #
 #   CONVERSATIONS=4000 STEPS=6000 [MAX_MINUTES=60] bash scripts/reference_cpu.sh
 #   STAGES="regenerate capture" bash scripts/reference_cpu.sh      (only some stages)
+#   INIT_FROM=outputs/ref/v2-head STEPS=2500 STAGES=train bash scripts/reference_cpu.sh   (warm start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONVERSATIONS=${CONVERSATIONS:-4000}
@@ -87,8 +88,10 @@ stage regenerate eagle-regenerate "${R[@]}" data.max_conversations="$CONVERSATIO
 stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_conversations=null \
   target.dtype=bfloat16 output_dir="$WORK/capture"
 # MAX_MINUTES=N stops training after N minutes (checkpoint saved); the same command continues it.
+# INIT_FROM=DIR starts from an earlier head (saved or exported, same shape) with a fresh optimizer and
+# schedule; a run that already has a checkpoint resumes from it and ignores INIT_FROM.
 stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" \
-  ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} output_dir="$WORK/train"
+  ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} ${INIT_FROM:+train.init_from=$INIT_FROM} output_dir="$WORK/train"
 stage eval evaluate
 stage export export_head
 stage check bash scripts/check_vllm.sh "$HEAD"

@@ -589,3 +589,35 @@ def test_eagle31_head_trains_and_its_checkpoint_loads_with_the_options(ws3, tmp_
     assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
     head = load_head(final_head(tmp_path / "o", 6))
     assert head.config.fc_norm and head.config.norm_output and hasattr(head, "fc_norm")
+
+
+def test_init_from_starts_where_the_given_head_ended_and_refuses_another_shape(ws3, tmp_path):
+    """train.init_from (saved head, or an exported folder through the CLI's loader) sets the initial
+    weights: the new run's step-0 held-out eval equals the source's last eval; a resumed run keeps its
+    checkpoint; a head of another shape is refused naming the field."""
+    from eagle.config import ConfigError
+    from eagle.export.exporter import export_head
+    from eagle.export.loader import load_draft
+    from eagle.heads.io import load_head
+    from eagle.train.trainer import TrainHooks, train
+
+    first = train(ws3.cfg(tmp_path / "a", steps=6))
+    src = final_head(tmp_path / "a", 6)
+    warm = train(ws3.cfg(tmp_path / "b", steps=2, train__init_from=src))
+    assert warm.initial_eval_metrics["loss"] == pytest.approx(first.eval_metrics["loss"], rel=1e-5)
+    assert warm.initial_eval_metrics["loss"] < first.initial_eval_metrics["loss"]
+    assert torch.equal(load_head(final_head(tmp_path / "b", 2)).t2d, load_head(src).t2d)
+
+    exported = tmp_path / "vllm"
+    export_head(load_head(src), exported, "vllm", dtype="float32")
+    hooks = TrainHooks(load_init=lambda path, target: load_draft(path, target)[0])
+    via_export = train(ws3.cfg(tmp_path / "c", steps=2, train__init_from=exported), hooks)
+    assert via_export.initial_eval_metrics["loss"] == pytest.approx(first.eval_metrics["loss"], rel=1e-5)
+    with pytest.raises(ConfigError, match="exported folder"):  # the trainer alone reads saved heads only
+        train(ws3.cfg(tmp_path / "d", steps=2, train__init_from=exported))
+
+    # Resuming "b" with a different init_from is another trajectory: refused, as any changed setting.
+    with pytest.raises(CheckpointError, match="train.init_from"):
+        train(ws3.cfg(tmp_path / "b", steps=4, train__init_from=final_head(tmp_path / "a", 4)))
+    with pytest.raises(ConfigError, match="draft_vocab_size: 128 there, 64 here"):
+        train(ws3.cfg(tmp_path / "e", steps=2, train__init_from=src, draft__draft_vocab_size=64))

@@ -20,9 +20,11 @@ def run(cfg: RootConfig):
     from accelerate.state import PartialState
 
     from eagle.errors import EagleError
-    from eagle.train.trainer import format_result, train
+    from eagle.export.loader import load_draft
+    from eagle.train.trainer import TrainHooks, format_result, train
 
-    result = train(cfg)
+    # train.init_from may name an exported folder (e.g. a published head); the trainer alone reads saved heads.
+    result = train(cfg, TrainHooks(load_init=lambda path, target: load_draft(path, target)[0]))
     if PartialState().is_main_process:
         print(format_result(result))
     if result.stopped == "nonfinite":

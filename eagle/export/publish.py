@@ -105,7 +105,8 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
         "aux_layer_ids": draft.get("aux_layer_ids"),
         "draft_vocab_size": draft.get("draft_vocab_size"),
         "train": {k: train.get(k) for k in ("mode", "max_steps", "batch_size", "lr", "ttt_steps", "ttt_decay",
-                                            "warmup_steps", "schedule", "mixed_precision", "seed") if k in train},
+                                            "warmup_steps", "schedule", "mixed_precision", "seed", "init_from")
+                  if k in train and not (k == "init_from" and train[k] is None)},
     }
     data_dir = train.get("data_dir")
     manifest = Path(str(data_dir)) / MANIFEST if data_dir else None

@@ -48,7 +48,7 @@ IGNORED_KEYS = frozenset({
     "capture.batch_tokens", "capture.free_space_margin",
 })
 # Keys whose values are local paths: compared as resolved absolute paths.
-PATH_KEYS = ("target.path", "data.path", "train.data_dir")
+PATH_KEYS = ("target.path", "data.path", "train.data_dir", "train.init_from")
 
 
 @dataclass(frozen=True)

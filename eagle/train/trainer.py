@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch import nn
 from eagle.algorithms import LossParts, LossSettings, get_algorithm
 from eagle.algorithms.base import aligned_inputs, step_masks
 from eagle.config import ConfigError, RootConfig
-from eagle.errors import TrainingError
+from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
 from eagle.train import checkpoint as ckpt
 from eagle.train import heldout
@@ -75,9 +76,16 @@ class TrainResult:
 
 @dataclass
 class TrainHooks:
-    """Optional callbacks (tests, notebooks): called on every rank after each optimizer step."""
+    """Optional callbacks (tests, notebooks, the CLI).
+
+    on_step_end: called on every rank after each optimizer step.
+    load_init:   reads `train.init_from` as (path, target) -> head. The trainer sits below the export
+                 layer, so by itself it reads only saved heads; `eagle-train` passes the loader that
+                 also reads exported folders (`eagle.export.loader.load_draft`).
+    """
 
     on_step_end: Callable[[int], None] | None = None
+    load_init: Callable[[str, nn.Module], DraftHead] | None = None
 
 
 # --------------------------------------------------------------------------------------- the step module
@@ -133,6 +141,8 @@ class StepOutcome:
     nonfinite_stop: bool = False  # train.nonfinite=stop hit a bad step: checkpoint of the state before it saved
 
 
+log = logging.getLogger(__name__)
+
 # Phases that are not training: left out of tokens/s.
 _NOT_TRAINING = ("eval", "checkpoint", "logging")
 
@@ -170,6 +180,8 @@ class TrainRecipe:
             counts = self.train_split.token_counts(head_cfg.vocab_size)  # [V] loss-mask tokens of the training split
         torch.manual_seed(t.seed)  # the same initial head on every rank and every run
         head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(self.device)
+        if t.init_from and self.resume_from is None:
+            self._warm_start(head, target)
         head.train()
         self.lm_head = target.get_output_embeddings()
         self.params = [p for p in head.parameters() if p.requires_grad]
@@ -214,6 +226,39 @@ class TrainRecipe:
         if acc.is_main_process and self.resume_from is not None:
             self.tracker.write(f"eagle-train: resumed from {self.resume_from} (step {self.state.step}, epoch "
                                f"{self.state.epoch}, item {self.state.index})")
+
+    def _warm_start(self, head: DraftHead, target: nn.Module) -> None:
+        """Copy the weights (and vocab maps) of `train.init_from` into the freshly built `head`."""
+        from eagle.artifacts import resolve_draft
+        from eagle.heads.io import load_head
+
+        source = str(self.cfg.train.init_from)
+        if self.hooks.load_init is not None:
+            init = self.hooks.load_init(source, target)
+        else:
+            resolved = resolve_draft(source)
+            if resolved.kind != "head":
+                raise ConfigError(f"train.init_from={source!r} is an exported folder; this trainer was built "
+                                  "without the exported-head loader: run eagle-train, or give a saved head")
+            init = load_head(resolved.folder, target_model=target)
+        differ = [f"{f.name}: {getattr(init.config, f.name)!r} there, {getattr(head.config, f.name)!r} here"
+                  for f in fields(head.config) if f.name != "target_fingerprint"
+                  and getattr(init.config, f.name) != getattr(head.config, f.name)]
+        if differ:
+            raise ConfigError(f"train.init_from={source!r} holds a head of another shape than this run builds ("
+                              + "; ".join(differ) + "): set the draft.* options to match it, or drop train.init_from")
+        if init.config.target_fingerprint != head.config.target_fingerprint:
+            log.warning("train.init_from=%s was trained against target %s, this run's target is %s",
+                        source, init.config.target_fingerprint or "?", head.config.target_fingerprint or "?")
+        own, theirs = head.trainable_state_dict(), init.trainable_state_dict()
+        if set(own) != set(theirs):
+            raise CheckpointError(f"train.init_from={source!r}: tensors {sorted(set(own) ^ set(theirs))} differ "
+                                  "from this run's head")
+        with torch.no_grad():
+            for name, value in own.items():
+                value.copy_(theirs[name].to(value.dtype))
+        if self.accelerator.is_main_process:
+            print(f"eagle-train: head initialised from {source} (optimizer and schedule start fresh)")
 
     @property
     def head(self) -> DraftHead:
