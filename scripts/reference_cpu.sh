@@ -8,7 +8,8 @@
 #
 #   CONVERSATIONS=4000 STEPS=6000 [MAX_MINUTES=60] bash scripts/reference_cpu.sh
 #   STAGES="regenerate capture" bash scripts/reference_cpu.sh      (only some stages)
-#   INIT_FROM=outputs/ref/v2-head STEPS=2500 STAGES=train bash scripts/reference_cpu.sh   (warm start)
+#   INIT_FROM=outputs/ref/v2-head STEPS=2500 TRAIN_ARGS="train.lr=2e-4 train.warmup_steps=100 train.min_lr_ratio=0.3" \
+#     STAGES=train bash scripts/reference_cpu.sh                     (warm start from an earlier head)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONVERSATIONS=${CONVERSATIONS:-4000}
@@ -89,9 +90,11 @@ stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_con
   target.dtype=bfloat16 output_dir="$WORK/capture"
 # MAX_MINUTES=N stops training after N minutes (checkpoint saved); the same command continues it.
 # INIT_FROM=DIR starts from an earlier head (saved or exported, same shape) with a fresh optimizer and
-# schedule; a run that already has a checkpoint resumes from it and ignores INIT_FROM.
+# schedule; a run that already has a checkpoint resumes from it and ignores INIT_FROM. TRAIN_ARGS adds
+# overrides (a warm start wants the lr where the earlier schedule left off, not the recipe's peak: at
+# 6e-4 the v2 head fell from tau_sim 2.10 to 1.89 in 100 steps).
 stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps="$STEPS" \
-  ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} ${INIT_FROM:+train.init_from=$INIT_FROM} output_dir="$WORK/train"
+  ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} ${INIT_FROM:+train.init_from=$INIT_FROM} ${TRAIN_ARGS:-} output_dir="$WORK/train"
 stage eval evaluate
 stage export export_head
 stage check bash scripts/check_vllm.sh "$HEAD"

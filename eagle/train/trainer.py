@@ -269,7 +269,9 @@ class TrainRecipe:
         """[steps] the denominators of every micro-batch's loss: loss tokens per unroll step over the
         whole global batch (all micro-batches, all ranks), divided by the world size because DDP
         averages the ranks' gradients. The update is then the token mean of the global batch, the
-        same for any grad_accum and number of processes."""
+        same for any grad_accum and number of processes. Counted before the forward because every
+        unroll step has its own denominator (one gradient rescale afterwards cannot apply five); the
+        masks are cheap host tensors here, before `featurize` moves the batch to the device."""
         local = torch.zeros(self.settings.steps, dtype=torch.float64)
         for mb in micro:
             a = aligned_inputs(mb, self.pad_id)
