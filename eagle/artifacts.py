@@ -11,7 +11,8 @@ A training output dir (`eagle-train output_dir=...`):
     best/                        the head with the best held-out tau_sim (a head folder)
 
 A head folder holds `model.safetensors` + `head_config.json`. A capture dir holds shards and a
-`manifest.json`; an evaluation dir a `report.json`. An exported folder (vLLM / SGLang /
+`manifest.json` (and `capture_config.yaml`); a regenerated data file `<name>.jsonl` has its
+settings beside it in `<name>.jsonl.meta.json`; an evaluation dir a `report.json`. An exported folder (vLLM / SGLang /
 speculators / hf layouts) is recognised by its `config.json`.
 
 This module imports nothing heavier than `eagle.errors`, so any layer may use it.
@@ -44,6 +45,13 @@ def stage_config(stage: str) -> str:
 
 
 TRAIN_CONFIG = stage_config("train")
+CAPTURE_CONFIG = stage_config("capture")
+
+
+def regeneration_meta(path: str | Path) -> Path:
+    """The settings file `eagle-regenerate` writes beside its output `path` (`<path>.meta.json`)."""
+    p = Path(path)
+    return p.with_name(p.name + ".meta.json")
 
 
 def checkpoint_name(step: int) -> str:

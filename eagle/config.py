@@ -202,6 +202,7 @@ class PublishConfig:
     private: bool = False
     dry_run: bool = False
     reports: list[str] = field(default_factory=list)  # eagle-eval output dirs whose figures go in the card
+    notes: str | None = None  # a Markdown file appended to the card as "Notes" (history, limits, stage times)
     license: str = "apache-2.0"
     commit_message: str = "Upload EAGLE draft head"
 

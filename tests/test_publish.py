@@ -156,3 +156,65 @@ def test_speculators_card_names_verifier_and_stored_embedding(run_dir, tiny_targ
     assert "`org/tiny-target`" in body and "export.verifier=" in body
     mib = embed.numel() * 2 / 2**20
     assert f"{head.config.vocab_size} x {head.config.hidden_size} x 2 bytes = {mib:.1f} MiB" in body
+
+
+def test_card_describes_the_captured_self_distilled_data_and_warm_start(tiny_target_dir, tmp_path, monkeypatch):
+    """Offline, the card's data and commands come from the capture (not the unused data.* of the training
+    run), name the regeneration settings, the capture dtype, the warm start, and carry publish.notes."""
+    monkeypatch.chdir(tmp_path)
+    model, _ = make_model("llama")
+    head = build_head(head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None)),
+                      model)
+    save_head(head, Path("run/best"))
+    Path("regen").mkdir()
+    Path("regen/answers.jsonl").write_text("")
+    Path("regen/answers.jsonl.meta.json").write_text(json.dumps({
+        "data": {"source": "sharegpt", "dedup_against": ["mt_bench", "humaneval"]}, "dtype": "bfloat16",
+        "max_new_tokens": 256, "max_turns": 1, "max_prompt_tokens": 512, "temperature": 0.0}))
+    save_resolved_config(compose([f"output_dir={tmp_path / 'capture'}", f"target.path={tiny_target_dir}", "data=local",
+                                  "data.path=regen/answers.jsonl", "target.dtype=bfloat16"]), "capture")
+    Path("capture/manifest.json").write_text(json.dumps({
+        "algorithm": "eagle3", "dtype": "float16", "format": "eagle-capture", "output_dir": "/home/someone/private",
+        "data": {"config": {"source": "local", "path": "regen/answers.jsonl", "max_conversations": None,
+                            "max_length": 768}, "fingerprint": "abc"},
+        "totals": {"conversations": 3356, "tokens": 1006518, "shards": 53, "bytes": 1},
+        "splits": {"train": {"conversations": 3297, "tokens": 987683}, "heldout": {"conversations": 59}}}))
+    save_resolved_config(compose(["output_dir=run", f"target.path={tiny_target_dir}", "data.max_conversations=800",
+                                  "train.data_dir=capture", "train.max_steps=2500", "train.init_from=old-head"]), "train")
+    Path("notes.md").write_text("Warm-started from the v2 head.\n")
+    hub = run_publish(compose(["draft.path=run", "output_dir=out", "publish.dry_run=true", "format=vllm",
+                               "publish.notes=notes.md"]))
+    meta, body = _card(hub)
+    assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]  # the prompts' source
+    assert "self-distilled" in body and "max_new_tokens=256" in body and "dedup_against=['mt_bench', 'humaneval']" in body
+    assert "up to 800 conversations" not in body  # the training run's data.* was not what the head saw
+    assert "conversations=3356" in body and "train_tokens=987683" in body and "target_dtype=bfloat16" in body
+    assert "train.init_from=old-head" in body and "train.max_steps=2500" in body
+    assert f"eagle-capture target.path={tiny_target_dir} data=local data.path=answers.jsonl" in body
+    assert "target.dtype=bfloat16 output_dir=CAPTURE_DIR" in body and "train.data_dir=CAPTURE_DIR" in body
+    assert "/home/someone/private" not in body and "regen/answers.jsonl" not in body
+    assert body.rstrip().endswith("## Notes\n\nWarm-started from the v2 head.")
+    with pytest.raises(PublishError, match="publish.notes=missing.md"):
+        run_publish(compose(["draft.path=run", "output_dir=out2", "publish.dry_run=true", "publish.notes=missing.md"]))
+    assert not Path("out2/hub").exists()  # refused before anything was written
+
+
+def test_card_rows_give_acceptance_by_depth_and_losslessness(run_dir, tmp_path):
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    (ev / "report.json").write_text(json.dumps({
+        "num_prompts": 80, "num_turns": 80, "tau": 2.0, "speedup": 1.5, "speedup_vs_prompt_lookup": 1.25,
+        "speedup_vs_autoregressive": 1.4, "tokens_per_s": 40.0, "baseline_tokens_per_s": 26.7,
+        "accept_rate_by_depth": [0.6, 0.5, 0.4, 0.3], "greedy_match": 0.25,
+        "divergence": {"turns": 80, "divergent_turns": 60, "all_numeric": True, "max_margin": 0.18},
+        "settings": {"prompts": "mt_bench", "temperature": 0.0, "dtype": "bfloat16"}}))
+    sampled = tmp_path / "sampled"
+    sampled.mkdir()
+    (sampled / "report.json").write_text(json.dumps({"num_prompts": 20, "tau": 1.7, "greedy_match": None,
+                                                     "settings": {"prompts": "mt_bench", "temperature": 1.0}}))
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", f"publish.reports=[{ev},{sampled}]"))
+    _, body = _card(hub)
+    rows = [line for line in body.splitlines() if line.startswith("| mt_bench")]
+    assert "| 0.60 / 0.50 / 0.40 / 0.30 |" in rows[0] and "| 40.0 (26.7) |" in rows[0] and "| 1.25x |" in rows[0]
+    assert "20 of 80 identical; 60 diverge, all numeric (max fp32 margin 0.18)" in rows[0]
+    assert "sampled (no greedy comparison)" in rows[1]

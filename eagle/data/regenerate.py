@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from eagle.artifacts import regeneration_meta
 from eagle.config import DataConfig, RegenerateConfig
 from eagle.data.records import Conversation
 from eagle.data.template import TemplateFailure, end_of_turn_ids, render
@@ -106,7 +107,7 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
 def _check_meta(path: Path, settings: dict[str, Any]) -> None:
     """Refuse to append to `path` under settings that change the answers (naming each key, old and
     new value); allow and note a changed selection; record the settings in `<path>.meta.json`."""
-    meta = path.with_name(path.name + ".meta.json")
+    meta = regeneration_meta(path)
     if meta.exists():
         old = json.loads(meta.read_text())
         if old == settings:

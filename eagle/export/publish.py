@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from eagle.artifacts import MANIFEST, REPORT, TRAIN_CONFIG
+from eagle.artifacts import CAPTURE_CONFIG, MANIFEST, REPORT, TRAIN_CONFIG, regeneration_meta
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
 from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
@@ -79,20 +79,64 @@ def report_row(report: dict[str, Any]) -> dict[str, str]:
         "tau": _fmt(report.get("tau")),
         "speedup": _fmt(report.get("speedup"), suffix="x"),
         "speedup_ar": _fmt(report.get("speedup_vs_autoregressive"), suffix="x"),
+        "speedup_pl": _fmt(report.get("speedup_vs_prompt_lookup"), suffix="x"),
+        "tokens_per_s": _fmt(report.get("tokens_per_s"), digits=1),
+        "baseline_tokens_per_s": _fmt(report.get("baseline_tokens_per_s"), digits=1),
+        "accept_by_depth": " / ".join(f"{x:.2f}" for x in report.get("accept_rate_by_depth") or []) or "n/a",
+        "lossless": _lossless_text(report),
         "hardware": hardware or "n/a",
     }
 
 
-def training_provenance(train_dir: Path | None) -> dict[str, Any]:
-    """What produced the head: selected fields of train_config.yaml and the capture manifest."""
-    if train_dir is None or not (train_dir / TRAIN_CONFIG).is_file():
-        return {}
+def _lossless_text(report: dict[str, Any]) -> str:
+    """What the report says about losslessness: greedy equality with HF generate, and for the turns
+    that differ whether every divergence is numeric (a near-tie of the target's own logits)."""
+    match = report.get("greedy_match")
+    if match is None:
+        return "sampled (no greedy comparison)"
+    d = report.get("divergence") or {}
+    turns = d.get("turns") or report.get("num_turns")
+    diverged = d.get("divergent_turns")
+    if turns is None or diverged is None:
+        return f"greedy equal to HF generate on {match:.0%} of turns"
+    text = f"{turns - diverged} of {turns} identical"
+    if diverged:
+        kind = "all numeric" if d.get("all_numeric") else "NOT all numeric"
+        text += f"; {diverged} diverge, {kind} (max fp32 margin {_fmt(d.get('max_margin'))})"
+    return text
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    """A resolved stage config as a dict (None if absent or unreadable: it must not block publishing)."""
+    if not path.is_file():
+        return None
     from omegaconf import OmegaConf
 
     try:
-        tc = OmegaConf.to_container(OmegaConf.load(train_dir / TRAIN_CONFIG), resolve=False)
-    except Exception as e:  # a damaged yaml must not block publishing the weights
-        log.warning("cannot read %s: %s", train_dir / TRAIN_CONFIG, e)
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # type: ignore[return-value]
+    except Exception as e:
+        log.warning("cannot read %s: %s", path, e)
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("cannot read %s: %s", path, e)
+        return None
+
+
+def training_provenance(train_dir: Path | None) -> dict[str, Any]:
+    """What produced the head: selected fields of train_config.yaml, and for an offline run the data
+    as the capture recorded it (capture manifest + capture_config.yaml; the regeneration settings
+    when the captured file was written by `eagle-regenerate`)."""
+    if train_dir is None:
+        return {}
+    tc = _read_yaml(train_dir / TRAIN_CONFIG)
+    if tc is None:
         return {}
     data, draft, train = tc.get("data", {}), tc.get("draft", {}), tc.get("train", {})
     out: dict[str, Any] = {
@@ -105,39 +149,68 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
         "aux_layer_ids": draft.get("aux_layer_ids"),
         "draft_vocab_size": draft.get("draft_vocab_size"),
         "train": {k: train.get(k) for k in ("mode", "max_steps", "batch_size", "lr", "ttt_steps", "ttt_decay",
-                                            "warmup_steps", "schedule", "mixed_precision", "seed", "init_from")
+                                            "warmup_steps", "schedule", "min_lr_ratio", "mixed_precision", "seed",
+                                            "init_from")
                   if k in train and not (k == "init_from" and train[k] is None)},
     }
-    data_dir = train.get("data_dir")
-    manifest = Path(str(data_dir)) / MANIFEST if data_dir else None
-    if manifest is not None and manifest.is_file():
-        try:
-            m = json.loads(manifest.read_text())
-            out["capture"] = {k: v for k, v in m.items() if isinstance(v, (int, float, str, bool)) and
-                              not str(k).lower().endswith(("path", "dir", "file"))}
-        except (OSError, json.JSONDecodeError) as e:
-            log.warning("cannot read %s: %s", manifest, e)
-    overrides = [f"target.path={out['target']}"] if out["target"] else []
+    data_dir = Path(str(train["data_dir"])) if train.get("data_dir") else None
+    capture_cmd: list[str] = []
+    m = _read_json(data_dir / MANIFEST) if data_dir is not None else None
+    if m is not None:
+        out["capture"] = {k: v for k, v in m.items() if isinstance(v, (int, float, str, bool)) and
+                          not str(k).lower().endswith(("path", "dir", "file"))}
+        totals, splits = m.get("totals") or {}, m.get("splits") or {}
+        for key in ("conversations", "tokens"):
+            if isinstance(totals.get(key), int):
+                out["capture"][key] = totals[key]
+            if isinstance((splits.get("train") or {}).get(key), int):
+                out["capture"][f"train_{key}"] = splits["train"][key]
+        captured = (m.get("data") or {}).get("config")
+        if train.get("mode", "offline") == "offline" and isinstance(captured, dict):
+            # Offline, the head learned from what the capture read, not from this run's data.* (unused).
+            out.update(data_source=captured.get("source"), data_path=captured.get("path"),
+                       max_conversations=captured.get("max_conversations"), max_length=captured.get("max_length"))
+            cc = _read_yaml(data_dir / CAPTURE_CONFIG) or {}
+            dtype = (cc.get("target") or {}).get("dtype")
+            if dtype:
+                out["capture"]["target_dtype"] = dtype
+            capture_cmd = ["target.dtype=" + str(dtype)] if dtype else []
+    if out["data_source"] == "local" and out["data_path"]:
+        meta = _read_json(regeneration_meta(out["data_path"]))
+        if meta is not None:
+            out["regenerated"] = {k: meta[k] for k in ("dtype", "temperature", "max_new_tokens", "max_turns",
+                                                       "max_prompt_tokens") if k in meta}
+            src = meta.get("data") or {}
+            out["regenerated"]["from"] = src.get("source")
+            out["regenerated"]["dedup_against"] = src.get("dedup_against")
+        out["data_path"] = Path(str(out["data_path"])).name  # a local path says nothing on another machine
+    data_args = [f"target.path={out['target']}"] if out["target"] else []
     if out["data_source"]:
-        overrides.append(f"data={out['data_source']}")
+        data_args.append(f"data={out['data_source']}")
     if out["data_path"]:
-        overrides.append(f"data.path={out['data_path']}")
+        data_args.append(f"data.path={out['data_path']}")
     for key in ("max_conversations", "max_length"):
         if out.get(key) is not None:
-            overrides.append(f"data.{key}={out[key]}")
+            data_args.append(f"data.{key}={out[key]}")
+    head_args = []
     if out["algorithm"]:
-        overrides.append(f"draft.algorithm={out['algorithm']}")
+        head_args.append(f"draft.algorithm={out['algorithm']}")
     if out["aux_layer_ids"]:
-        overrides.append(f"draft.aux_layer_ids=[{','.join(str(i) for i in out['aux_layer_ids'])}]")
+        head_args.append(f"draft.aux_layer_ids=[{','.join(str(i) for i in out['aux_layer_ids'])}]")
     if "draft_vocab_size" in draft:
-        overrides.append(f"draft.draft_vocab_size={draft['draft_vocab_size'] if draft['draft_vocab_size'] is not None else 'null'}")
-    overrides += [f"train.{k}={v}" for k, v in out["train"].items() if v is not None]
-    out["command"] = "eagle-train " + " ".join(overrides)
+        head_args.append(f"draft.draft_vocab_size={draft['draft_vocab_size'] if draft['draft_vocab_size'] is not None else 'null'}")
+    train_args = [f"train.{k}={v}" for k, v in out["train"].items() if v is not None]
+    if capture_cmd or (m is not None and isinstance((m.get("data") or {}).get("config"), dict)):
+        out["capture_command"] = " ".join(["eagle-capture", *data_args, *head_args, *capture_cmd,
+                                           "output_dir=CAPTURE_DIR"])
+        out["command"] = " ".join(["eagle-train", *data_args[:1], *head_args, *train_args, "train.data_dir=CAPTURE_DIR"])
+    else:
+        out["command"] = " ".join(["eagle-train", *data_args, *head_args, *train_args])
     return out
 
 
 def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports: list[dict[str, Any]],
-               provenance: dict[str, Any], repo_id: str | None) -> str:
+               provenance: dict[str, Any], repo_id: str | None, notes: str | None = None) -> str:
     """README.md: YAML metadata + usage + measured figures + how it was made."""
     c = head.config
     algo_tag = c.algorithm
@@ -147,6 +220,8 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
         datasets.append(str(provenance["data_path"]))
     elif data_source in DATASET_IDS:
         datasets.append(DATASET_IDS[data_source])
+    elif (provenance.get("regenerated") or {}).get("from") in DATASET_IDS:  # the prompts' source
+        datasets.append(DATASET_IDS[provenance["regenerated"]["from"]])
     meta: dict[str, Any] = {
         "base_model": target,
         "library_name": LIBRARY[fmt],
@@ -188,12 +263,19 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     if reports:
         lines += ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
                   "Hugging Face `generate` (and plain autoregressive decoding with the same code).", "",
-                  "| benchmark | prompts | temperature | dtype | tree | tau | speedup vs HF generate | "
-                  "speedup vs autoregressive | hardware |", "|---|---:|---:|---|---|---:|---:|---:|---|"]
+                  "Acceptance by depth: the share of steps that reach depth d whose token at depth d is accepted. "
+                  "Greedy runs compare every output with HF `generate` in the same dtype; a divergence is numeric "
+                  "when the target's top-1 / top-2 logit margin there (recomputed in float32) is below the report's "
+                  "limit.", "",
+                  "| benchmark | prompts | temperature | dtype | tau | acceptance by depth | tok/s (HF generate) | "
+                  "speedup vs HF generate | vs prompt lookup | vs autoregressive | greedy output | tree | hardware |",
+                  "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---|---|---|"]
         for r in reports:
             row = report_row(r)
-            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['dtype']} | {row['tree']} | "
-                         f"{row['tau']} | {row['speedup']} | {row['speedup_ar']} | {row['hardware']} |")
+            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['dtype']} | {row['tau']} | "
+                         f"{row['accept_by_depth']} | {row['tokens_per_s']} ({row['baseline_tokens_per_s']}) | "
+                         f"{row['speedup']} | {row['speedup_pl']} | {row['speedup_ar']} | {row['lossless']} | "
+                         f"{row['tree']} | {row['hardware']} |")
     else:
         lines.append("No evaluation reports were attached (publish.reports); run `eagle-eval` and republish.")
     lines += ["", "## Training", ""]
@@ -202,14 +284,25 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
                      + (f" ({provenance['data_path']})" if provenance.get("data_path") else "")
                      + (f", up to {provenance['max_conversations']} conversations" if provenance.get("max_conversations")
                         else "") + (f", max {provenance['max_length']} tokens" if provenance.get("max_length") else ""))
+        if provenance.get("regenerated"):
+            r = provenance["regenerated"]
+            lines.append("- self-distilled: the answers are the target's own (`eagle-regenerate` from "
+                         f"{r.get('from')} prompts; " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "from")
+                         + ")")
         if provenance.get("capture"):
             lines.append("- capture: " + ", ".join(f"{k}={v}" for k, v in sorted(provenance["capture"].items())))
         if provenance.get("train"):
             lines.append("- training: " + ", ".join(f"{k}={v}" for k, v in provenance["train"].items()))
-        lines += ["", "Command (reconstructed from the run's resolved train_config.yaml):", "", "```bash",
-                  provenance["command"], "```"]
+        if provenance.get("capture_command"):
+            lines += ["", "Commands (reconstructed from the capture's and the run's resolved configs):", "", "```bash",
+                      provenance["capture_command"], provenance["command"], "```"]
+        else:
+            lines += ["", "Command (reconstructed from the run's resolved train_config.yaml):", "", "```bash",
+                      provenance["command"], "```"]
     else:
         lines.append("Training records (train_config.yaml) were not found next to the head.")
+    if notes:
+        lines += ["", "## Notes", "", notes.strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -247,6 +340,12 @@ def run_publish(cfg: Any) -> Path:
     target_path = _trained_target_path(train_dir) or cfg.target.path
     target = hub_id_for_target(target_path)
     reports = [load_report(r) for r in p.reports]
+    notes = None
+    if p.notes:
+        try:
+            notes = Path(p.notes).read_text()
+        except OSError as e:
+            raise PublishError(f"publish.notes={p.notes}: cannot read it ({e}); give a Markdown file or drop the option") from e
     provenance = training_provenance(train_dir)
     hub = Path(cfg.output_dir) / "hub"
     # The card describes the validated export, so it is written after it (atomically, like the weights).
@@ -255,7 +354,7 @@ def run_publish(cfg: Any) -> Path:
                         speculative_tokens=cfg.decode.tree_depth, verifier=cfg.export.verifier,
                         verifier_default="hub",
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
-    card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id)
+    card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes)
     tmp = hub / "README.md.tmp"
     tmp.write_text(card)
     tmp.replace(hub / "README.md")
