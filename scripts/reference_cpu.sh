@@ -16,6 +16,7 @@ CONVERSATIONS=${CONVERSATIONS:-4000}
 STEPS=${STEPS:-6000}
 WORK=${WORK:-outputs/ref}
 HEAD=heads/smollm2-135m-instruct-eagle3
+NOTES=${NOTES:-$(ls "$HEAD.notes.md" 2>/dev/null || true)}  # the card's Notes: history, limits (kept beside the head)
 STAGES=${STAGES:-"regenerate capture train eval export check"}
 R=(recipe=smollm2-135m-instruct)
 PATH="$PWD/.venv/bin:$PATH"
@@ -35,16 +36,21 @@ stage() {  # stage NAME COMMAND...: run it if NAME is in $STAGES, print and reco
   printf '%s\t%s\t%ss\n' "$(date -u +%FT%TZ)" "$name" "$took" | tee -a "$WORK/stages.tsv"
 }
 
+# The full evaluation (issue sizes) takes ~35 min per dtype here; smaller sizes for a short session:
+# EVAL_DTYPES=bfloat16 MTBENCH_PROMPTS=80 HUMANEVAL_PROMPTS=20 SAMPLED_PROMPTS=10 (0 skips a row).
 evaluate() {
   local dtype
-  for dtype in bfloat16 float32; do
-    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=mt_bench eval.max_prompts=80 \
-      decode.temperature=0 decode.max_new_tokens=128 output_dir="$WORK/eval-mtbench-t0-$dtype"
-    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=humaneval eval.max_prompts=40 \
-      decode.temperature=0 decode.max_new_tokens=128 output_dir="$WORK/eval-humaneval-t0-$dtype"
-    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype=$dtype eval.prompts=mt_bench eval.max_prompts=20 \
-      decode.temperature=1.0 decode.max_new_tokens=128 output_dir="$WORK/eval-mtbench-t1-$dtype"
+  for dtype in ${EVAL_DTYPES:-bfloat16 float32}; do
+    eval_row "$dtype" mt_bench "${MTBENCH_PROMPTS:-80}" 0 "$WORK/eval-mtbench-t0-$dtype"
+    eval_row "$dtype" humaneval "${HUMANEVAL_PROMPTS:-40}" 0 "$WORK/eval-humaneval-t0-$dtype"
+    eval_row "$dtype" mt_bench "${SAMPLED_PROMPTS:-20}" 1.0 "$WORK/eval-mtbench-t1-$dtype"
   done
+}
+
+eval_row() {  # eval_row DTYPE PROMPTS N TEMPERATURE OUTPUT_DIR (N=0: skipped)
+  [ "$3" -gt 0 ] || return 0
+  eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype="$1" eval.prompts="$2" eval.max_prompts="$3" \
+    decode.temperature="$4" decode.max_new_tokens=128 output_dir="$5"
 }
 
 export_head() {
@@ -53,7 +59,8 @@ export_head() {
   local joined
   joined=$(IFS=,; echo "${reports[*]}")
   eagle-publish "${R[@]}" draft.path="$WORK/train" format=vllm publish.dry_run=true \
-    publish.repo_id=eagle/smollm2-135m-instruct-eagle3 "publish.reports=[$joined]" output_dir="$WORK/publish"
+    publish.repo_id=eagle/smollm2-135m-instruct-eagle3 "publish.reports=[$joined]" output_dir="$WORK/publish" \
+    ${NOTES:+publish.notes=$NOTES}
   rm -rf "$HEAD" && mkdir -p heads "$WORK/publish/hub/reports" && cp -r "$WORK/publish/hub" "$HEAD"
   for d in "${reports[@]}"; do cp "$d/report.json" "$HEAD/reports/$(basename "$d").json"; done
   eagle-export --check "$HEAD"
