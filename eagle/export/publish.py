@@ -154,7 +154,8 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
                   if k in train and not (k == "init_from" and train[k] is None)},
     }
     data_dir = Path(str(train["data_dir"])) if train.get("data_dir") else None
-    capture_cmd: list[str] = []
+    from_capture = False  # offline from a capture that recorded its data: two commands, capture then train
+    capture_args: list[str] = []
     m = _read_json(data_dir / MANIFEST) if data_dir is not None else None
     if m is not None:
         out["capture"] = {k: v for k, v in m.items() if isinstance(v, (int, float, str, bool)) and
@@ -168,13 +169,13 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
         captured = (m.get("data") or {}).get("config")
         if train.get("mode", "offline") == "offline" and isinstance(captured, dict):
             # Offline, the head learned from what the capture read, not from this run's data.* (unused).
+            from_capture = True
             out.update(data_source=captured.get("source"), data_path=captured.get("path"),
                        max_conversations=captured.get("max_conversations"), max_length=captured.get("max_length"))
-            cc = _read_yaml(data_dir / CAPTURE_CONFIG) or {}
-            dtype = (cc.get("target") or {}).get("dtype")
+            dtype = ((_read_yaml(data_dir / CAPTURE_CONFIG) or {}).get("target") or {}).get("dtype")
             if dtype:
                 out["capture"]["target_dtype"] = dtype
-            capture_cmd = ["target.dtype=" + str(dtype)] if dtype else []
+                capture_args.append(f"target.dtype={dtype}")
     if out["data_source"] == "local" and out["data_path"]:
         meta = _read_json(regeneration_meta(out["data_path"]))
         if meta is not None:
@@ -200,8 +201,8 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
     if "draft_vocab_size" in draft:
         head_args.append(f"draft.draft_vocab_size={draft['draft_vocab_size'] if draft['draft_vocab_size'] is not None else 'null'}")
     train_args = [f"train.{k}={v}" for k, v in out["train"].items() if v is not None]
-    if capture_cmd or (m is not None and isinstance((m.get("data") or {}).get("config"), dict)):
-        out["capture_command"] = " ".join(["eagle-capture", *data_args, *head_args, *capture_cmd,
+    if from_capture:
+        out["capture_command"] = " ".join(["eagle-capture", *data_args, *head_args, *capture_args,
                                            "output_dir=CAPTURE_DIR"])
         out["command"] = " ".join(["eagle-train", *data_args[:1], *head_args, *train_args, "train.data_dir=CAPTURE_DIR"])
     else:
