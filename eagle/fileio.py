@@ -112,3 +112,22 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def safetensors_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> bytes:
+    """`safetensors.torch.save` with a canonical header: the same tensors and metadata give the same bytes.
+
+    safetensors keeps `__metadata__` in a hash map seeded per process, so with two or more metadata
+    keys the header's key order (and so the file's sha256) changes from one export to the next. The
+    header is re-serialised here with sorted keys and padded with spaces to its original length (the
+    format allows trailing spaces; tensor offsets are relative to the data section, so nothing moves).
+    """
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if len(canonical) > n:  # cannot happen for safetensors' compact JSON; keep its own bytes if it did
+        return data
+    return data[:8] + canonical + b" " * (n - len(canonical)) + data[8 + n :]

@@ -39,6 +39,12 @@ echo "== prepare: target folder, head folder, $PROMPTS MT-bench prompts"
 timeout 600 "$OURS/python" scripts/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
   --work "$WORK" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
 
+# A compile cache of its own per check: vLLM 0.32 reloads torch.compile artefacts keyed by the target,
+# and one written for an earlier head made the EAGLE-3 engine fail to load it and crash (stack overflow)
+# while recompiling. A fresh cache costs the compile (~30 s) and keeps the check independent of past runs.
+rm -rf "$WORK/vllm-cache" && mkdir -p "$WORK/vllm-cache"
+VLLM_CACHE_ROOT=$(cd "$WORK/vllm-cache" && pwd)
+export VLLM_CACHE_ROOT
 for mode in base spec; do
   echo "== vLLM, $([ $mode = base ] && echo 'without the head' || echo "with the head (k=$K)") (log: $WORK/$mode.log)"
   LD_PRELOAD=$IOMP HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \

@@ -37,20 +37,31 @@ stage() {  # stage NAME COMMAND...: run it if NAME is in $STAGES, print and reco
 }
 
 # The full evaluation (issue sizes) takes ~35 min per dtype here; smaller sizes for a short session:
-# EVAL_DTYPES=bfloat16 MTBENCH_PROMPTS=80 HUMANEVAL_PROMPTS=20 SAMPLED_PROMPTS=10 (0 skips a row).
+# EVAL_DTYPES=bfloat16 MTBENCH_PROMPTS=80 HUMANEVAL_PROMPTS=20 SAMPLED_PROMPTS=10 (0 skips a row);
+# CHAIN_PROMPTS=8: the vLLM-equivalent chain row, in the first of EVAL_DTYPES. EVAL_ARGS adds eagle-eval
+# overrides to every row (e.g. 'eval.baselines=[hf_generate,prompt_lookup]' saves the autoregressive run).
 evaluate() {
   local dtype
-  for dtype in ${EVAL_DTYPES:-bfloat16 float32}; do
+  EVAL_DTYPES=${EVAL_DTYPES:-bfloat16 float32}
+  for dtype in $EVAL_DTYPES; do
     eval_row "$dtype" mt_bench "${MTBENCH_PROMPTS:-80}" 0 "$WORK/eval-mtbench-t0-$dtype"
     eval_row "$dtype" humaneval "${HUMANEVAL_PROMPTS:-40}" 0 "$WORK/eval-humaneval-t0-$dtype"
     eval_row "$dtype" mt_bench "${SAMPLED_PROMPTS:-20}" 1.0 "$WORK/eval-mtbench-t1-$dtype"
   done
+  # The chain vLLM drafts (check_vllm.sh: k=3, the first 8 MT-bench turns x 64 tokens, greedy), in
+  # eagle's decoder: the same acceptance must come out of both, so this row is what vLLM's is read against.
+  if [ "${CHAIN_PROMPTS:-8}" -gt 0 ]; then
+    eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype="${EVAL_DTYPES%% *}" eval.prompts=mt_bench \
+      eval.max_prompts="${CHAIN_PROMPTS:-8}" decode.temperature=0 decode.max_new_tokens=64 decode.tree=dynamic \
+      decode.tree_top_k=1 decode.tree_depth=3 decode.tree_total_tokens=3 'eval.baselines=[hf_generate]' \
+      output_dir="$WORK/eval-mtbench-chain3-${EVAL_DTYPES%% *}"
+  fi
 }
 
 eval_row() {  # eval_row DTYPE PROMPTS N TEMPERATURE OUTPUT_DIR (N=0: skipped)
   [ "$3" -gt 0 ] || return 0
   eagle-eval "${R[@]}" draft.path="$WORK/train" target.dtype="$1" eval.prompts="$2" eval.max_prompts="$3" \
-    decode.temperature="$4" decode.max_new_tokens=128 output_dir="$5"
+    decode.temperature="$4" decode.max_new_tokens=128 ${EVAL_ARGS:-} output_dir="$5"
 }
 
 export_head() {

@@ -91,6 +91,7 @@ def test_round_trip(tmp_path, llama, splits, algorithm):
     for split, convs in splits.items():
         ds = CaptureDataset(tmp_path, split=split)
         assert len(ds) == len(convs)
+        assert ds.ids() == [c.id for c in convs]  # from the shard indexes, in item order
         # Reference: one padded batch in data order (padding invariance is tested above).
         ref = extract_features(llama, *pad_batch([c.input_ids for c in convs]),
                                [1, 2, 3] if algorithm == "eagle3" else None)

@@ -4,17 +4,20 @@ round-trips to identical head outputs, and broken folders are rejected with a cl
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle.config import DraftConfig
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.formats import EXPORT_META_KEY
+from eagle.fileio import safetensors_bytes
 from eagle.heads.io import build_head, head_config_from_target, save_head
 from tests.tiny_models import make_model
 
@@ -336,3 +339,23 @@ def test_plain_eagle3_exports_do_not_name_the_eagle31_options(heads, tmp_path):
     export_head(heads["eagle3"], tmp_path / "v", "vllm", dtype="float32", target_path="org/target-model")
     cfg = _config(tmp_path / "v")
     assert "fc_norm" not in cfg and "norm_output" not in cfg  # so older exports still pass --check
+
+
+def test_safetensors_bytes_are_canonical_across_processes(tmp_path):
+    # safetensors orders `__metadata__` by a per-process hash seed: two processes exporting the same
+    # head wrote different bytes (sha256). Five metadata keys make a chance match 1 in 120.
+    code = ("import sys, torch; from eagle.fileio import safetensors_bytes; "
+            "t = {f'w{i}': torch.arange(6, dtype=torch.float32) * i for i in range(4)}; "
+            "m = {k: k * 2 for k in ('format', 'eagle_format', 'eagle_algorithm', 'x', 'y')}; "
+            "open(sys.argv[1], 'wb').write(safetensors_bytes(t, m))")
+    paths = [tmp_path / f"{i}.safetensors" for i in range(2)]
+    for p in paths:
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    back = load_file(str(paths[0]))
+    assert sorted(back) == [f"w{i}" for i in range(4)]
+    torch.testing.assert_close(back["w3"], torch.arange(6, dtype=torch.float32) * 3)
+    with safe_open(str(paths[0]), framework="pt") as f:
+        assert f.metadata() == {k: k * 2 for k in ("format", "eagle_format", "eagle_algorithm", "x", "y")}
+    one = {"a": torch.ones(3, dtype=torch.float16)}
+    assert safetensors_bytes(one, {"format": "pt"})[8:].startswith(b"{")

@@ -126,6 +126,10 @@ class CaptureDataset(Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
+    def ids(self) -> list[str]:
+        """Conversation ids in item order (from the shard indexes; no features are read)."""
+        return [i for shard in self._ids for i in shard]
+
     @property
     def shard_sizes(self) -> list[int]:
         """Conversations per shard, in shard order (items are numbered shard by shard)."""

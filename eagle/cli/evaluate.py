@@ -15,12 +15,12 @@ def _evaluate(cfg: RootConfig) -> dict:
 
     report = evaluate(cfg)
 
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.2f}"
+    def fmt(x: float | None, unit: str = "") -> str:
+        return "n/a" if x is None else f"{x:.2f}{unit}"  # a baseline not run has no ratio
 
     print(f"tau {fmt(report['tau'])} | {report['tokens_per_s']:.1f} tok/s | speedup vs HF generate "
-          f"{fmt(report['speedup'])}x, vs prompt lookup {fmt(report['speedup_vs_prompt_lookup'])}x, "
-          f"vs autoregressive {fmt(report['speedup_vs_autoregressive'])}x | greedy match "
+          f"{fmt(report['speedup'], 'x')}, vs prompt lookup {fmt(report['speedup_vs_prompt_lookup'], 'x')}, "
+          f"vs autoregressive {fmt(report['speedup_vs_autoregressive'], 'x')} | greedy match "
           f"{fmt(report['greedy_match'])}")
     print(f"report: {cfg.output_dir}/report.json, {cfg.output_dir}/report.md")
     return report

@@ -33,6 +33,7 @@ from eagle.export.formats import (
     to_format_name,
 )
 from eagle.export.validate import ExportedHead, check_folder, read_json
+from eagle.fileio import safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.precision import DTYPES as _DTYPES
 
@@ -186,8 +187,6 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     format=speculators also stores the target's input embedding (`embed_tokens`, else read from
     `target_path`) and names the verifier per `verifier` / `verifier_default` (see `verifier_info`).
     """
-    from safetensors.torch import save_file
-
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in _DTYPES:
@@ -205,7 +204,7 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
     try:
         meta = {"format": "pt", "eagle_format": fmt, "eagle_algorithm": cfg.algorithm}
-        save_file(stored, str(tmp / WEIGHTS_FILE), metadata=meta)
+        (tmp / WEIGHTS_FILE).write_bytes(safetensors_bytes(stored, meta))  # same tensors, same bytes
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if fmt == "hf":
             (tmp / HEAD_CONFIG_FILE).write_text(cfg.to_json() + "\n")

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
-from eagle.fileio import atomic_write_text, atomic_write_with
+from eagle.fileio import atomic_write_bytes, atomic_write_text, safetensors_bytes
 from eagle.heads import eagle1, eagle3  # noqa: F401  (register the head classes)
 from eagle.heads.base import HEADS, DraftHead, HeadConfig
 from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
@@ -150,7 +150,7 @@ def save_head(head: DraftHead, folder: Path, extra: dict[str, Any] | None = None
     if extra:
         meta[_EXTRA_KEY] = json.dumps(extra, sort_keys=True)
     # Weights first, config last: a folder with a config always has matching weights.
-    atomic_write_with(folder / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata=meta))
+    atomic_write_bytes(folder / WEIGHTS_NAME, safetensors_bytes(state, meta))
     atomic_write_text(folder / CONFIG_NAME, head.config.to_json())
 
 
