@@ -46,9 +46,10 @@ def _metrics(algo: Any, head: Any, lm_head: Any, settings: Any, batches: list[di
     for batch in batches:
         parts = algo.forward_loss(head, lm_head, batch, settings, norms=None)  # full-vocabulary labels
         sums.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra)
-    summary = sums.host().summary([1.0] * settings.steps, {})
+    host = sums.host()  # one read-back for the summary and the token count
+    summary = host.summary([1.0] * settings.steps, {})
     return {k: v for k, v in summary.items() if k.startswith(("acc_", "tau_sim"))} | {
-        "tokens": float(sums.host().step_tokens[0]) if sums.step_tokens else 0.0}
+        "tokens": float(host.step_tokens[0]) if host.step_tokens else 0.0}
 
 
 def _stored(split: Any, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
@@ -93,7 +94,7 @@ def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prom
     from dataclasses import replace
 
     from eagle.data.dataset import load_conversations
-    from eagle.data.template import render
+    from eagle.data.regenerate import first_turn_prompt
 
     limit = len(exclude) + 4 * n + 64
     convs, _ = load_conversations(replace(cfg.data, max_conversations=limit))
@@ -101,11 +102,7 @@ def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prom
     for conv in convs:
         if conv.id in exclude:
             continue
-        first = next((k for k, m in enumerate(conv.messages) if m["role"] == "user"), None)
-        if first is None:
-            continue
-        text = render(tokenizer, conv.messages[: first + 1], add_generation_prompt=True)
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = first_turn_prompt(tokenizer, conv)  # what eagle-regenerate sends
         if 0 < len(ids) <= max_prompt_tokens:
             prompts.append(ids)
     if len(prompts) < n:
@@ -115,13 +112,11 @@ def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prom
 
 def _eval_prompts(name: str, tokenizer: Any, n: int) -> list[list[int]]:
     from eagle.data.eval_prompts import load_eval_prompts
-    from eagle.data.template import render
+    from eagle.evaluate.baselines import encode_chat
 
-    out = []
-    for p in load_eval_prompts(name)[:n]:
-        text = render(tokenizer, [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True)
-        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    # encode_chat: the prompt ids eagle-eval decodes from
+    return [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist()
+            for p in load_eval_prompts(name)[:n]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,7 +234,7 @@ def _continuous(model: Any, tokenizer: Any, todo: list[Conversation], cfg: Regen
         write([record])
 
     jobs = [ConversationJob(c, tokenizer, cfg, on_done) for c in todo]
-    firsts = {j.id: len(_first_prompt(tokenizer, c)) for j, c in zip(jobs, todo, strict=True)}
+    firsts = {j.id: len(first_turn_prompt(tokenizer, c)) for j, c in zip(jobs, todo, strict=True)}
     jobs.sort(key=lambda j: firsts[j.id])
     sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                         max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
@@ -250,7 +250,9 @@ def _continuous(model: Any, tokenizer: Any, todo: list[Conversation], cfg: Regen
         engine.run(iter(jobs), on_step=progress)
 
 
-def _first_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
+def first_turn_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
+    """Prompt ids of the conversation up to its first user turn, ready for the answer ([] if the
+    chat template cannot render it)."""
     turns = []
     for m in conversation.messages:
         turns.append(m)
