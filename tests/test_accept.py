@@ -16,7 +16,10 @@ from eagle.decode.accept import (
     accept_tree_reference,
     multi_draft_reference,
     process_logits,
+    sample_index,
+    sample_token,
     target_choices,
+    walk_tree,
 )
 from eagle.decode.generator import SpeculativeGenerator
 from eagle.decode.tree import retrieval_paths
@@ -95,6 +98,63 @@ def test_accept_tree_matches_reference(data):
     nodes, emitted = accept_tree_reference(tokens, parents, choices)
     assert acc.nodes.tolist() == nodes
     assert acc.tokens == emitted
+    # The lazy walk, given logits whose argmax is each node's choice, takes the same path.
+    logits = torch.nn.functional.one_hot(torch.tensor(choices), vocab).float() * 3 + torch.rand(n, vocab)
+    walked = walk_tree(torch.tensor(tokens), torch.tensor(parents), logits.to(torch.bfloat16), 0.0)
+    assert walked.nodes.tolist() == nodes
+    assert walked.tokens == emitted
+
+
+def test_sample_index_has_the_law_of_its_probabilities():
+    p = torch.tensor([0.25, 0.0, 0.05, 0.3, 0.0, 0.15, 0.2, 0.05])  # zeros must never be drawn
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.bincount(torch.tensor([sample_index(p, gen) for _ in range(6000)]), minlength=8)
+    ok, stat, crit = chi2_ok(counts.float(), p)
+    assert ok, (stat, crit)
+    assert sample_token(torch.tensor([0.1, 2.0, -1.0]).to(torch.bfloat16), 0.0) == 1
+    # Nucleus and top-k zeros are respected through sample_token.
+    logits = torch.tensor([2.0, 1.9, -3.0, 0.5, -8.0])
+    kept = {sample_token(logits, 1.0, top_k=2, generator=gen) for _ in range(300)}
+    assert kept == {0, 1}
+
+
+def _walk_law(parents: list[int], tokens: list[int], p: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Exact law of the emitted tokens: enumerate the target's draw at every node the walk reaches."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def visit(node: int, prefix: tuple[int, ...], prob: float) -> None:
+        for y in range(p.shape[1]):
+            child = [c for c in range(len(parents)) if parents[c] == node and tokens[c] == y]
+            if child:
+                visit(child[0], prefix + (y,), prob * float(p[node, y]))
+            elif p[node, y] > 0:
+                law[prefix + (y,)] = prob * float(p[node, y])
+
+    visit(0, (), 1.0)
+    return law
+
+
+def test_lazy_walk_has_the_law_of_draws_at_every_node():
+    """walk_tree (draws only where it walks) emits sequences with the exact law that accept_tree over
+    target_choices (one draw at every node) has; both checked against exact enumeration."""
+    parents, tokens = [-1, 0, 0, 1, 1, 2], [4, 2, 0, 1, 3, 5]
+    gen = torch.Generator().manual_seed(5)
+    p = torch.rand(6, 6, generator=gen) ** 2
+    p[:, 4] = 0.0  # a token the target never picks
+    p = p / p.sum(-1, keepdim=True)
+    logits = p.clamp(min=1e-30).log()
+    law = _walk_law(parents, tokens, p)
+    outcomes = sorted(law)
+    index = {o: i for i, o in enumerate(outcomes)}
+    exact = torch.tensor([law[o] for o in outcomes])
+    paths = retrieval_paths(torch.tensor(parents))
+    lazy, eager = torch.zeros(len(outcomes)), torch.zeros(len(outcomes))
+    for _ in range(4000):
+        lazy[index[tuple(walk_tree(torch.tensor(tokens), torch.tensor(parents), logits, 1.0, generator=gen).tokens)]] += 1
+        eager[index[tuple(accept_tree(torch.tensor(tokens), paths, target_choices(logits, 1.0, generator=gen)).tokens)]] += 1
+    for counts in (lazy, eager):
+        ok, stat, crit = chi2_ok(counts, exact)
+        assert ok, (stat, crit)
 
 
 def test_multi_draft_reference_preserves_target_law():

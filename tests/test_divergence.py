@@ -96,16 +96,16 @@ def test_planted_off_by_one_bug_is_not_numeric(tiny_pair, monkeypatch):
     from eagle.decode import generator
     from eagle.decode.accept import Acceptance
 
-    real = generator.accept_tree
+    real = generator.walk_tree
     vocab = len(tiny_pair[2])
 
-    def buggy(tokens, paths, choices):
-        acc = real(tokens, paths, choices)
+    def buggy(*args, **kwargs):
+        acc = real(*args, **kwargs)
         if len(acc.tokens) > 2:
             acc = Acceptance(nodes=acc.nodes, tokens=acc.tokens[:-1] + [(acc.tokens[-1] + 1) % vocab])
         return acc
 
-    monkeypatch.setattr(generator, "accept_tree", buggy)
+    monkeypatch.setattr(generator, "walk_tree", buggy)
     model32, model16, tok = tiny_pair
     torch.manual_seed(0)
     refs = {}

@@ -10,8 +10,9 @@ top-k, not sampled), which is multi-draft rejection sampling with one-hot draft 
 q = 1[x_i]: accepting sibling x_1 with probability min(1, p(x_1) / 1) = p(x_1), then continuing with
 the residual norm(max(p - q, 0)) (= p without x_1), and so on, emits x_i with probability exactly
 p(x_i) and otherwise a token from p restricted to non-drafted tokens. That is the same law as one draw
-y ~ p followed by the walk above, which is what we implement (one draw per node; a node's draw is
-used only if the walk reaches it, so draws at different nodes are independent as required). The
+y ~ p followed by the walk above, which is what we implement: `walk_tree` draws at a node only when
+the walk reaches it, so every reached node gets one fresh independent draw (`accept_tree` over draws
+at all nodes from `target_choices` is its vectorised reference: same law, N + 1 draws). The
 emitted sequence is therefore distributed exactly as target sampling, token by token, for any head;
 the head only decides how often a draw lands on a drafted child. At temperature 0 this is exactly
 the target's greedy decoding. The draft's own probabilities q are not needed (which is why
@@ -47,6 +48,30 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)
+
+
+def sample_index(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One draw from a [V] probability vector by inverting its float64 CDF with a single uniform.
+
+    Same law as `torch.multinomial(probs, 1)` (zero-probability tokens are never drawn: their CDF step
+    is empty) at a tenth of its CPU cost over a 49k vocabulary, where multinomial spends ~0.9 ms a row.
+    """
+    cdf = probs.double().cumsum(0)  # [V]
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=cdf.numel() - 1))
+
+
+def sample_token(
+    logits: torch.Tensor,  # [V] target logits at one position
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """The target's next token at one position: argmax at temperature 0, else one sample of p."""
+    if temperature <= 0:
+        return int(logits.float().argmax())  # exact cast; float argmax is faster than bf16's on CPU
+    return sample_index(process_logits(logits[None], temperature, top_k, top_p)[0], generator)
 
 
 def target_choices(
@@ -88,6 +113,34 @@ def accept_tree(
     nodes = safe[best, : n + 1]  # [A + 1]
     tokens = tree_tokens[nodes[1:]].tolist() + [int(choices[nodes[-1]])]
     return Acceptance(nodes=nodes, tokens=tokens)
+
+
+def walk_tree(
+    tree_tokens: torch.Tensor,  # [N + 1] node tokens (root included)
+    parents: torch.Tensor,  # [N + 1] parent index, -1 for the root
+    logits: torch.Tensor,  # [N + 1, V] target logits at every tree node
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """`accept_tree` with the target's choice drawn only at the nodes the walk reaches.
+
+    Same law as `accept_tree(..., target_choices(logits, ...))`: a node's draw matters only if the
+    walk reaches it, and every reached node gets one fresh independent draw. It processes A + 1 rows
+    of logits instead of N + 1 (tests compare both).
+    """
+    tokens, parent_of = tree_tokens.tolist(), parents.tolist()
+    children: dict[tuple[int, int], int] = {(p, t): c for c, (p, t) in enumerate(zip(parent_of, tokens)) if p >= 0}
+    node, nodes = 0, [0]
+    while True:
+        y = sample_token(logits[node], temperature, top_k, top_p, generator)
+        child = children.get((node, y))  # siblings carry distinct tokens: at most one match
+        if child is None:
+            break
+        node = child
+        nodes.append(node)
+    return Acceptance(nodes=torch.tensor(nodes, device=tree_tokens.device), tokens=[tokens[n] for n in nodes[1:]] + [y])
 
 
 def accept_tree_reference(tree_tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], list[int]]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from eagle.decode.accept import process_logits
+from eagle.decode.accept import process_logits, sample_index
 from eagle.errors import TargetError
 from eagle.targets import text_config
 
@@ -216,7 +216,7 @@ class ContinuousGenerator:
         if s.temperature <= 0:
             return logits.argmax(-1).tolist()
         probs = process_logits(logits, s.temperature, s.top_k, s.top_p)  # [R, V]
-        return [int(torch.multinomial(p, 1, generator=slot.generator)) for p, slot in zip(probs, slots, strict=True)]
+        return [sample_index(p, slot.generator) for p, slot in zip(probs, slots, strict=True)]
 
     def _start_turn(self, slot: _Slot) -> bool:
         """Load the job's next prompt into the slot; False when the job is over."""

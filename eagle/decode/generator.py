@@ -1,7 +1,7 @@
 """Lossless tree speculative decoding (batch size 1) and the plain autoregressive baseline.
 
 One step: the head drafts a tree below the root (the newest accepted token); one target forward
-verifies root + tree under the tree mask; `accept_tree` picks the accepted path plus a bonus token;
+verifies root + tree under the tree mask; `walk_tree` picks the accepted path plus a bonus token;
 both KV caches keep only the accepted path; the head commits the accepted tokens with the target
 features of that same verify pass, which also gives the hidden state drafting the next tree.
 
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from eagle.config import DecodeConfig
-from eagle.decode.accept import accept_tree, target_choices
+from eagle.decode.accept import Acceptance, sample_token, walk_tree
 from eagle.decode.autotree import AutoTreeState, choose_tree_size, expected_tokens, time_verify_passes
 from eagle.decode.cache import keep_cache_entries
 from eagle.decode.draft import draft_pool, draft_static, head_commit, tree_from_pool
 from eagle.decode.stopping import StopChecker, eos_ids
 from eagle.decode.target import layer_windows, new_cache, target_forward
-from eagle.decode.tree import compile_static_tree
+from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
 
@@ -107,9 +107,13 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
 
     # --- one step pieces -------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor) -> int:  # [V] logits -> the target's token
         c = self.cfg
-        return target_choices(logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
+        return sample_token(logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
+
+    def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits: [N + 1, V] from the verify pass
+        c = self.cfg
+        return walk_tree(tree.tokens, tree.parents, logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
 
     def _draft(self, head_cache, root: int, root_hidden: torch.Tensor, root_pos: int):
         c = self.cfg
@@ -153,7 +157,7 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         out = target_forward(self.target, prompt, torch.arange(n, device=self.device), tcache,
                              feature_layer_ids=self.feature_ids, windows=self.windows)
-        root = int(self._choose(out.logits[-1:])[0])
+        root = self._choose(out.logits[-1])
         res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
         emitted = stop.push([root])
         res.tokens += emitted
@@ -174,7 +178,7 @@ class SpeculativeGenerator:
             out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
             t2 = time.perf_counter()
-            acc = accept_tree(tree.tokens, tree.retrieval_paths(), self._choose(out.logits))
+            acc = self._accept(tree, out.logits)
             keep_cache_entries(tcache, root_pos, acc.nodes)
             emitted = stop.push(acc.tokens)
             res.tokens += emitted
@@ -232,7 +236,7 @@ def autoregressive_generate(
         t0 = time.perf_counter()
         out = target_forward(target, ids, pos, cache, windows=windows)
         dt = time.perf_counter() - t0
-        tok = int(target_choices(out.logits[-1:], c.temperature, c.top_k, c.top_p, generator=rng)[0])
+        tok = sample_token(out.logits[-1], c.temperature, c.top_k, c.top_p, generator=rng)
         res.timings.target_s += dt
         if ids is prompt:
             res.timings.prefill_s = dt
