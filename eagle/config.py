@@ -160,13 +160,19 @@ class DecodeConfig:
     tree_total_tokens: int = 16  # dynamic: nodes kept for verification (excluding the root)
     # static: the tree as a list of paths of child ranks, e.g. [[0], [1], [0, 0], [0, 1]]
     static_paths: list[list[int]] | None = None
-    auto_candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 24, 32, 48])
+    auto_candidates: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48])
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # sampling top-k (0 = off)
     max_new_tokens: int = 256
     stop_strings: list[str] = field(default_factory=list)
     seed: int = 0
+    # The head's compute dtype: target (the target's) | auto (bfloat16 where native, else the target's)
+    # | float32 | bfloat16 | float16. The target's verify pass decides every token, so this moves speed
+    # and acceptance, never the output.
+    draft_dtype: str = "target"
+    # full | int8 (weight-only int8 linears, a bf16 head on a CPU) | auto (int8 exactly there).
+    draft_weights: str = "full"
 
 
 @dataclass
@@ -292,6 +298,8 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
+    _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
+    _choice("decode.draft_weights", d.draft_weights, ("auto", "full", "int8"))
     for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens"):
         _positive(f"decode.{name}", getattr(d, name))
     _positive("decode.temperature", d.temperature, allow_zero=True)

@@ -109,9 +109,54 @@ def resolve_mixed_precision(name: str, device: torch.device | str | None = None)
     return name
 
 
+DRAFT_DTYPES = ("auto", "target", *DTYPES)
+DRAFT_WEIGHTS = ("auto", "full", "int8")
+
+
+def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
+    """The draft head's compute dtype for `decode.draft_dtype=name` beside a target in `target_dtype`.
+
+    `target`: the target's dtype. `auto`: bfloat16 where the device computes it natively, else the
+    target's dtype. Drafting is weight-bound at batch 1, so a bf16 head beside a float32 target drafts
+    in about half the time (the float32 verify pass still decides every token, so greedy output stays
+    the float32 target's own).
+    """
+    if name not in DRAFT_DTYPES:
+        raise TargetError(f"decode.draft_dtype={name!r} is not one of {', '.join(DRAFT_DTYPES)}")
+    if name == "target":
+        return target_dtype
+    if name == "auto":
+        return torch.bfloat16 if native_dtype_support("bfloat16", device)[0] else target_dtype
+    ok, why = native_dtype_support(name, device)
+    if not ok:
+        raise TargetError(f"decode.draft_dtype={name} on {device or 'cpu'}: {why}, so torch would emulate {name}; "
+                          "use decode.draft_dtype=auto or decode.draft_dtype=target")
+    return DTYPES[name]
+
+
+def resolve_draft_weights(name: str, draft_dtype: torch.dtype, device: torch.device | str | None = None) -> str:
+    """`full` or `int8` for `decode.draft_weights=name` (see `eagle.heads.quantize`).
+
+    int8 weight-only linears run on a CPU with bfloat16 activations (torch's kernel is slower than
+    a float32 matmul with float32 activations); `auto` picks int8 exactly there.
+    """
+    if name not in DRAFT_WEIGHTS:
+        raise TargetError(f"decode.draft_weights={name!r} is not one of {', '.join(DRAFT_WEIGHTS)}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    fits = dev.type == "cpu" and draft_dtype == torch.bfloat16
+    if name == "auto":
+        return "int8" if fits else "full"
+    if name == "int8" and not fits:
+        raise TargetError(f"decode.draft_weights=int8 needs a bfloat16 head on a CPU (here: a {dtype_name(draft_dtype)} "
+                          f"head on {dev.type}); set decode.draft_dtype=bfloat16 on a CPU with bf16, or "
+                          "decode.draft_weights=full")
+    return name
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "MIXED_PRECISION", "cpu_flags", "dtype_name", "native_dtype_support",
-           "resolve_dtype", "resolve_mixed_precision"]
+__all__ = ["DRAFT_DTYPES", "DRAFT_WEIGHTS", "DTYPES", "DTYPE_NAMES", "MIXED_PRECISION", "cpu_flags", "dtype_name",
+           "native_dtype_support", "resolve_draft_dtype", "resolve_draft_weights", "resolve_dtype",
+           "resolve_mixed_precision"]

@@ -2,7 +2,7 @@
 
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
-                                   [--dtypes bfloat16 float32] [override ...]
+                                   [--dtypes bfloat16 float32] [--draft-weights full int8] [override ...]
 
 HEAD_DIR is anything `draft.path` accepts (training output dir, checkpoint dir, head folder or
 exported folder); default: heads/smollm2-135m-instruct-eagle3 in this repository. The tree is
@@ -12,7 +12,8 @@ autoregressive decoding (same cache code), HF `generate` and HF prompt-lookup de
 prints the headline numbers plus the decoder's overhead per step, and exits 1 if greedy output ever
 differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie).
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
-one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them. Per step it also times a
+one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
+for the head's weights (int8 weight-only linears against the full-precision head), in every dtype. Per step it also times a
 verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
 drafting cost as a share of one plain decoding step.
 """
@@ -44,9 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (not measured)")
     parser.add_argument("--dtypes", nargs="*", default=None,
                         help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto")
+    parser.add_argument("--draft-weights", nargs="*", default=None,
+                        help="measure each head setting in turn (auto | full | int8), for every dtype; default: the config's")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_args(argv)
 
+    if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
+        args.overrides.insert(0, args.head)
+        args.head = None
     head = Path(args.head) if args.head else DEFAULT_HEAD
     if not head.exists():
         parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
@@ -70,27 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    dtypes = args.dtypes or ["auto"]
+    runs = [(dtype, weights) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]]
     reports: dict[str, dict] = {}
     status = 0
-    for dtype in dtypes:
-        out = Path(args.output_dir) / dtype if len(dtypes) > 1 else Path(args.output_dir)
-        cfg = compose([*overrides, f"target.dtype={dtype}", f"output_dir={out}", *args.overrides])
+    for dtype, weights in runs:
+        label = dtype if weights is None else f"{dtype}-{weights}"
+        out = Path(args.output_dir) / label if len(runs) > 1 else Path(args.output_dir)
+        head_setting = [] if weights is None else [f"decode.draft_weights={weights}"]
+        cfg = compose([*overrides, f"target.dtype={dtype}", *head_setting, f"output_dir={out}", *args.overrides])
         try:
             r = evaluate(cfg)
         except EagleError as e:
             print(f"bench_decode: error: {e}", file=sys.stderr)
             return 2
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
-        reports[r["settings"]["dtype"]] = r
+        s = r["settings"]
+        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']})"] = r
         _print_report(r, out)
         status = max(status, _lossless_status(r))
     if len(reports) > 1:
-        print(f"\n{'dtype':<10}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+        print(f"\n{'target dtype (head)':<34}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
               f"{'draft/plain':>13}{'greedy':>8}")
         for dt, r in reports.items():
             m = r["methods"]
-            print(f"{dt:<10}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+            print(f"{dt:<34}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
                   f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
                   f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
     return status
@@ -169,8 +178,9 @@ def _lossless_status(r: dict) -> int:
 
 def _print_report(r: dict, out: Path) -> None:
     s, d, hw = r["settings"], r["decoder"], r["settings"]["hardware"]
-    print(f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), MT-bench x{r['num_prompts']} "
-          f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']}")
+    print(f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), {s['prompts']} x{r['num_prompts']} "
+          f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']} "
+          f"(head {s['draft_dtype']}, {s['draft_weights']} weights)")
     print(f"hardware: {hw['cpu']} | {hw['torch_threads']} torch threads | torch {hw['torch_version']} | {hw['device']}")
     print(f"tree: {s['tree']} | mean verified tree size {_f(r['mean_tree_size'], '.1f')}")
     if s.get("auto_verify_seconds"):

@@ -4,6 +4,9 @@ same wall-clock budget, held-out acc@k / tau_sim at the end. All in one process,
     python scripts/bench_recipe.py --capture outputs/ref/capture --minutes 20 \
         [--variants old,recipe,lr-3e-4,...] [--eval-batches 24] [--workdir DIR] [--json OUT] [override ...]
 
+With --json the file is rewritten after every variant; the same command run again skips the variants
+it already holds (same budget, capture and overrides), so a study can span sessions.
+
 Each variant first runs a short probe (`--probe-steps`, discarded) to measure its seconds per step,
 then trains with `train.max_steps` = what fits the budget (so the warm-up + cosine schedule ends
 when the budget does) and `train.max_minutes` as the hard stop. Variants that cost more per step
@@ -66,6 +69,17 @@ def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_st
             "best_tau_sim": result.best_metric, "best_step": result.best_step}
 
 
+def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
+    """Variants already measured in `path` under the same budget, capture and base settings."""
+    if path is None or not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base")):
+        print(f"{path}: another budget, capture or base settings; measuring every variant again", flush=True)
+        return {}
+    return {r["variant"]: r for r in old.get("runs", [])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--capture", type=Path, required=True, help="an eagle-capture output_dir (recipe settings)")
@@ -86,13 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
     base = [f"recipe={args.recipe}", f"train.data_dir={args.capture}", f"train.eval_batches={args.eval_batches}",
             "train.log_every=10", *args.overrides]
+    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "runs": []}
+    done = _finished_runs(args.json, report)
     rows = []
     for name in variants:
-        rows.append(run_variant(name, base, work, args.minutes, args.probe_steps))
-        print(json.dumps(rows[-1], default=str), flush=True)  # each variant's result as soon as it exists
-    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "runs": rows}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        if name in done:  # a study cut short (a session's end) goes on where it stopped
+            print(f"{name}: reusing the finished run in {args.json}", flush=True)
+            rows.append(done[name])
+        else:
+            rows.append(run_variant(name, base, work, args.minutes, args.probe_steps))
+            print(json.dumps(rows[-1], default=str), flush=True)  # each variant's result as soon as it exists
+        if args.json:  # written after every variant, so a stopped study keeps what it measured
+            report["runs"] = rows + [r for n, r in done.items() if n not in variants]
+            args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     old = next((r for r in rows if r["variant"] == "old"), None)
     print(f"\n{args.minutes:g} minutes per variant on {args.capture}")
     print("variant        steps  s/step  tok/s   acc@0  acc@1  acc@2  tau_sim  acc@0 vs old")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eagle.decode import SpeculativeGenerator, autoregressive_generate, choose_tree_size, expected_tokens
+from eagle.decode.autotree import monotone_envelope
 from eagle.errors import EagleError
 from tests.support.decode import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.tiny_models import make_model
@@ -123,7 +124,14 @@ def test_auto_tree_is_lossless_and_chooses_a_candidate(stop_case):
     res = gen.generate(ids)
     assert res.tokens == ref[:20]
     assert set(gen.verify_times) == {2, 4, 8}
+    times = [gen.verify_times[s] for s in (2, 4, 8)]
+    assert times == sorted(times)  # made non-decreasing: noise never makes a bigger pass look cheaper
     assert set(res.tree_sizes) <= {2, 4, 8}
+
+
+def test_monotone_envelope_keeps_the_cheapest_time_at_or_above_each_size():
+    noisy = {1: 0.046, 2: 0.041, 3: 0.049, 4: 0.039, 8: 0.055, 16: 0.050, 24: 0.078}
+    assert monotone_envelope(noisy) == {1: 0.039, 2: 0.039, 3: 0.039, 4: 0.039, 8: 0.050, 16: 0.050, 24: 0.078}
 
 
 def test_choose_tree_size_model():

@@ -75,3 +75,84 @@ def test_explicit_bf16_training_without_the_flag_is_refused_naming_it(flags):
         precision.resolve_mixed_precision("bf16", "cpu")
     with pytest.raises(TargetError, match="not one of"):
         precision.resolve_mixed_precision("bfloat16", "cpu")
+
+
+# ------------------------------------------------------------------------------ the draft head
+def test_draft_dtype_auto_is_bf16_where_native_whatever_the_target(flags):
+    flags("avx512_bf16")
+    assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert precision.resolve_draft_dtype("target", torch.float32, "cpu") == torch.float32
+    assert precision.resolve_draft_weights("auto", torch.bfloat16, "cpu") == "int8"
+    assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "full"
+    flags("avx2")
+    assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.float32
+    with pytest.raises(TargetError, match=r"decode.draft_dtype=bfloat16 on cpu: .*avx512_bf16"):
+        precision.resolve_draft_dtype("bfloat16", torch.float32, "cpu")
+    with pytest.raises(TargetError, match=r"decode.draft_weights=int8 needs a bfloat16 head on a CPU \(here: a float32"):
+        precision.resolve_draft_weights("int8", torch.float32, "cpu")
+    with pytest.raises(TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8"):
+        precision.resolve_draft_weights("int4", torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("in_features", [64, 40, 7])  # 40 and 7: not a multiple of the kernel's 16
+def test_int8_linear_equals_its_reference_and_stays_near_the_float_layer(in_features):
+    from eagle.heads.quantize import Int8Linear, int8_linear_reference, quantize_rows
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(in_features, 24, bias=True)
+    x = torch.randn(2, 3, in_features).to(torch.bfloat16)
+    q, scales = quantize_rows(layer.weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    y = Int8Linear.from_linear(layer)(x)  # [2, 3, 24]
+    assert y.shape == (2, 3, 24) and y.dtype == torch.bfloat16
+    ref = int8_linear_reference(x, q, scales.to(torch.bfloat16), layer.bias.to(torch.bfloat16))
+    assert torch.allclose(y.float(), ref, atol=2e-2, rtol=1e-2)
+    exact = layer(x.float())
+    assert (y.float() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
+    from eagle.config import TargetConfig
+    from eagle.heads.quantize import Int8Linear, quantize_head_int8
+    from eagle.targets import load_target
+    from tests.support.decode import random_head
+
+    target = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))[0]
+    head = random_head(target, "eagle3", draft_vocab_size=100)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    q = quantize_head_int8(head)
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())  # the caller's head is untouched
+    assert isinstance(head.lm_head, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
+    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.midlayer.self_attn.q_proj, Int8Linear)
+    assert isinstance(q.midlayer.mlp.down_proj, Int8Linear)
+    assert isinstance(q.fc, torch.nn.Linear) and q.fc.weight.dtype == torch.bfloat16  # once per step: full
+    assert q.target_embed_tokens is head.target_embed_tokens  # borrowed from the target, not copied
+    ids = torch.randint(0, 100, (1, 6))
+    feats = torch.randn(1, 6, 3, target.config.hidden_size)
+    pos = torch.arange(1, 7)[None]
+    with torch.inference_mode():
+        full = head.logits(head(ids, head.project_features(feats), pos))  # [1, 6, Vd]
+        small = q.logits(q(ids, q.project_features(feats), pos)).float()
+    assert (small - full).abs().max() < 0.05 * full.abs().max()
+
+
+@pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])
+def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_dir, flags, algorithm):
+    """decode.draft_dtype/draft_weights=auto on a bf16 CPU: the head drafts in bf16 with int8 weights,
+    the float32 target verifies, and the output is the float32 target's own greedy output."""
+    from eagle.config import TargetConfig
+    from eagle.decode import SpeculativeGenerator
+    from eagle.heads.quantize import has_int8_linears
+    from eagle.targets import load_target
+    from tests.support.decode import decode_cfg, hf_greedy, random_head
+
+    flags("avx512_bf16")
+    model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(model, algorithm, draft_vocab_size=100 if algorithm == "eagle3" else None)
+    ids = [1, 5, 9, 14, 3, 7]
+    ref = hf_greedy(model, ids, 20)
+    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
+                                                            draft_weights="auto"))
+    assert (gen.draft_dtype, gen.draft_weights) == ("bfloat16", "int8") and has_int8_linears(gen.head)
+    assert not has_int8_linears(head) and next(head.parameters()).dtype == torch.float32
+    assert gen.generate(ids).tokens == ref

@@ -218,3 +218,13 @@ def test_card_rows_give_acceptance_by_depth_and_losslessness(run_dir, tmp_path):
     assert "| 0.60 / 0.50 / 0.40 / 0.30 |" in rows[0] and "| 40.0 (26.7) |" in rows[0] and "| 1.25x |" in rows[0]
     assert "20 of 80 identical; 60 diverge, all numeric (max fp32 margin 0.18)" in rows[0]
     assert "sampled (no greedy comparison)" in rows[1]
+    assert "| bfloat16 |" in rows[0]  # target and head alike: one dtype
+
+
+def test_card_row_names_the_head_dtype_where_it_differs_from_the_target():
+    from eagle.export.publish import _dtype_text
+
+    assert _dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "full"}) == "bfloat16"
+    assert _dtype_text({"dtype": "float32", "draft_dtype": "bfloat16", "draft_weights": "int8"}) == \
+        "float32 (head bfloat16, int8)"
+    assert _dtype_text({"dtype": "float32"}) == "float32"  # reports from before the head had its own dtype

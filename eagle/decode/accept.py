@@ -131,7 +131,7 @@ def walk_tree(
     of logits instead of N + 1 (tests compare both).
     """
     tokens, parent_of = tree_tokens.tolist(), parents.tolist()
-    children: dict[tuple[int, int], int] = {(p, t): c for c, (p, t) in enumerate(zip(parent_of, tokens)) if p >= 0}
+    children: dict[tuple[int, int], int] = {(p, t): c for c, (p, t) in enumerate(zip(parent_of, tokens, strict=True)) if p >= 0}
     node, nodes = 0, [0]
     while True:
         y = sample_token(logits[node], temperature, top_k, top_p, generator)

@@ -32,6 +32,8 @@ from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
+from eagle.heads.quantize import has_int8_linears, quantize_head_int8
+from eagle.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +83,10 @@ class SpeculativeGenerator:
     def __init__(self, target: Any, head: DraftHead, tokenizer: Any, decode_cfg: DecodeConfig,
                  device: torch.device | str | None = None) -> None:
         self.target = target
-        target_dtype = next(target.parameters()).dtype
-        if next(head.parameters()).dtype != target_dtype:
-            # The head reads the target's features and runs in its dtype (bf16 decoding halves the
-            # bytes of every head matmul too).
-            log.info("casting the draft head from %s to the target's %s", next(head.parameters()).dtype, target_dtype)
-            head = head.to(target_dtype)
-        self.head = head.eval()
         self.tokenizer = tokenizer
         self.cfg = decode_cfg
         self.device = torch.device(device) if device is not None else _model_device(target)
+        self.head = self._prepare_head(head, next(target.parameters()).dtype)
         self.windows = layer_windows(target.config)
         self.feature_ids = list(head.feature_layer_ids())
         self.eos = eos_ids(tokenizer, target)
@@ -105,6 +101,25 @@ class SpeculativeGenerator:
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self._auto = AutoTreeState()
         self.last_result: GenerationResult | None = None
+
+    def _prepare_head(self, head: DraftHead, target_dtype: torch.dtype) -> DraftHead:
+        """The head in `decode.draft_dtype`, with int8 linears under `decode.draft_weights=int8`.
+
+        Drafting at batch 1 is bound by reading the head's weights, so fewer bytes per weight is
+        most of what makes it cheap; the target's verify pass still decides every token.
+        """
+        dtype = resolve_draft_dtype(self.cfg.draft_dtype, target_dtype, self.device)
+        self.draft_weights = resolve_draft_weights(self.cfg.draft_weights, dtype, self.device)
+        self.draft_dtype = dtype_name(dtype)
+        have = next(head.parameters()).dtype
+        if self.draft_weights == "int8":
+            if not has_int8_linears(head):
+                log.info("draft head: int8 weight-only linears, %s activations (was %s)", self.draft_dtype, have)
+                head = quantize_head_int8(head, dtype)
+        elif have != dtype:
+            log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype)
+            head = head.to(dtype)
+        return head.eval()
 
     # --- one step pieces -------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor) -> int:  # [V] logits -> the target's token

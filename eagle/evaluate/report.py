@@ -191,7 +191,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"temperature {s['temperature']}, max_new_tokens {s['max_new_tokens']}, tree {s['tree']}.",
         f"Hardware: {s['hardware']['cpu']}, {s['hardware']['torch_threads']} torch threads, device "
         f"{s['hardware']['device']}, torch {s['hardware']['torch_version']}. Every figure is for dtype "
-        f"**{s.get('dtype', 'float32')}** (target and head, every method alike).",
+        f"**{s.get('dtype', 'float32')}** (the target, every method alike); the draft head computes in "
+        f"{s.get('draft_dtype', s.get('dtype', 'float32'))} with {s.get('draft_weights', 'full')} weights.",
         "",
         "| method | tokens | seconds | tokens/s | speculative speedup |",
         "|---|---:|---:|---:|---:|",

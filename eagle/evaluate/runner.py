@@ -330,7 +330,9 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
         report["settings"] = {
             "target": cfg.target.path,
             "target_fingerprint": info.fingerprint,
-            "dtype": info.dtype,  # target and head, every method alike (target.dtype resolved)
+            "dtype": info.dtype,  # the target's, every method alike (target.dtype resolved)
+            "draft_dtype": generator.draft_dtype,  # the head's compute dtype (decode.draft_dtype resolved)
+            "draft_weights": generator.draft_weights,  # full | int8 (decode.draft_weights resolved)
             "draft_path": cfg.draft.path,
             "draft_folder": str(draft.folder),
             "draft_kind": draft.via,

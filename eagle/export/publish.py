@@ -57,6 +57,16 @@ def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
+def _dtype_text(settings: dict[str, Any]) -> str:
+    """'bfloat16', or 'float32 (head bfloat16, int8)' when the head computed otherwise than the target."""
+    dtype = str(settings.get("dtype") or "n/a")
+    head = settings.get("draft_dtype") or dtype
+    weights = settings.get("draft_weights") or "full"
+    if head == dtype and weights == "full":
+        return dtype
+    return f"{dtype} (head {head}{', int8' if weights == 'int8' else ''})"
+
+
 def _tree_text(tree: Any) -> str:
     if isinstance(tree, dict):
         return ", ".join(f"{k}={v}" for k, v in tree.items())
@@ -74,7 +84,7 @@ def report_row(report: dict[str, Any]) -> dict[str, str]:
         "benchmark": str(s.get("prompts", "n/a")),
         "prompts": _fmt(report.get("num_prompts")),
         "temperature": _fmt(s.get("temperature")),
-        "dtype": str(s.get("dtype") or "n/a"),  # every figure of a report is for this one dtype
+        "dtype": _dtype_text(s),  # the target's (every method alike), and the head's where it differs
         "tree": _tree_text(s.get("tree")),
         "tau": _fmt(report.get("tau")),
         "speedup": _fmt(report.get("speedup"), suffix="x"),

@@ -1,0 +1,106 @@
+"""Int8 weight-only linears for drafting on a CPU (`decode.draft_weights=int8`).
+
+Why: at batch 1 a draft level is a handful of [<=16, 576] x [576, N] products whose cost is reading
+the weights. The target's forward between two draft steps evicts the head from the CPU caches, so
+every level streams the head's layer (~8 MB in bf16) and LM head (~9 MB for 8,192 draft tokens) from
+memory again. Int8 weights halve those bytes: on the 2-core AVX512-BF16 EPYC the shipped SmolLM2 head
+drafting 4 levels a step cost 7.97 ms instead of 11.39 ms per step at the same tau (1.90), 1.45x vs
+1.30x HF generate (`scripts/bench_decode.py --tree dynamic --draft-weights full int8`, MT-bench x10).
+
+Decoding stays lossless whatever the head computes: the target verifies every drafted token. Only
+acceptance can move, and per-output-channel symmetric int8 (scale = max |w| / 127 per row) keeps each
+logit within ~0.5% of its bf16 value.
+
+The product is torch's `_weight_int8pack_mm` (the weight-only int8 kernel behind gpt-fast's CPU
+path), which takes bf16 activations; with float32 activations it is slower than a float32 matmul, so
+int8 is offered for a bf16 head only (`eagle.precision.resolve_draft_weights`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from eagle.heads.base import DraftHead
+
+# The fused-feature projection runs once per decoding step (on the accepted tokens), not once per
+# draft level, and the heads read their compute dtype off its weight: it keeps full precision.
+KEEP_FULL = frozenset({"fc"})
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float weight -> (int8 [N, K], float32 scales [N]) with w ~ q * scale per row."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # [N]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scales
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain float32 maths of an int8 weight-only linear: x @ (q * scale)^T + bias."""
+    y = x.float() @ (qweight.float() * scales.float()[:, None]).t()
+    return y if bias is None else y + bias.float()
+
+
+# torch's CPU kernel reads the input dimension in blocks of 16 and crashes (SIGSEGV, torch 2.13) on
+# any other width: narrower layers get zero columns, which add nothing to the product.
+K_BLOCK = 16
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weight is int8 with one scale per output row; activations in `dtype`."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.pad = -self.in_features % K_BLOCK
+        if self.pad:
+            qweight = torch.nn.functional.pad(qweight, (0, self.pad))  # [N, K + pad], zero columns
+        self.register_buffer("qweight", qweight.contiguous())  # [N, K + pad] int8
+        self.register_buffer("scales", scales.to(dtype))  # [N]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        q, scales = quantize_rows(linear.weight)
+        return cls(q, scales, linear.bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).to(self.scales.dtype)  # [M, K]
+        if self.pad:
+            flat = torch.nn.functional.pad(flat, (0, self.pad))  # [M, K + pad]
+        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16) -> DraftHead:
+    """A copy of `head` (in `dtype`) whose linears, except `KEEP_FULL`, hold int8 weights.
+
+    The caller's head is left as it was (it may still be trained or exported); borrowed target
+    modules are shared, not copied (`BorrowedModules`).
+    """
+    quantized = copy.deepcopy(head).to(dtype)
+    for parent_name, parent in list(quantized.named_modules()):
+        for name, child in list(parent.named_children()):
+            full_name = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, nn.Linear) and full_name not in KEEP_FULL:
+                setattr(parent, name, Int8Linear.from_linear(child, dtype))
+    return quantized.eval()
+
+
+def has_int8_linears(module: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in module.modules())
+
+
+__all__ = ["KEEP_FULL", "Int8Linear", "has_int8_linears", "int8_linear_reference", "quantize_head_int8",
+           "quantize_rows"]
