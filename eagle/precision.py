@@ -12,6 +12,10 @@
     accelerator with bf16. The head's compute in training is `train.mixed_precision`
     (`resolve_mixed_precision`: `auto` = bf16 autocast where native).
 
+The draft head has its own setting (`decode.draft_dtype`, `resolve_draft_dtype`): the CPU preset runs it
+in bfloat16 wherever that is native, also beside a float32 target, and with int8 weight-only linears
+(`decode.draft_weights`, `resolve_draft_weights`); the verify pass in the target's dtype decides every token.
+
 An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
 would emulate it, several times slower than float32.
 """
