@@ -13,8 +13,10 @@ when the budget does) and `train.max_minutes` as the hard stop. Variants that co
 (longer TTT unroll, larger draft vocabulary) get fewer steps: that is the trade being measured.
 The held-out figures are on the capture's held-out split (`--eval-batches` x batch 2 conversations).
 
-`old` is the recipe before bf16 autocast and length grouping (float32, random batches); `recipe` is
-recipes/smollm2-135m-instruct.yaml as it stands. The ratio column is acc@0 against `old`.
+`old` is the recipe before the training issue (float32, random batches, no EAGLE-3.1 norms); `recipe`
+is recipes/smollm2-135m-instruct.yaml as it stands (since the 2026-12-04 study: bf16 autocast where
+native, length grouping, EAGLE-3.1 norms); other variants change one thing of `recipe`. The ratio
+column is acc@0 against `old`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import time
 from pathlib import Path
 
 VARIANTS: dict[str, list[str]] = {
-    "old": ["train.mixed_precision=no", "train.group_by_length=false"],
+    # The recipe before the training issue: float32, random batches, plain EAGLE-3.
+    "old": ["train.mixed_precision=no", "train.group_by_length=false", "draft.fc_norm=false",
+            "draft.norm_output=false"],
     "recipe": [],
+    "eagle3.0": ["draft.fc_norm=false", "draft.norm_output=false"],  # the recipe before the study below
     "lr-3e-4": ["train.lr=3e-4"],
     "lr-1.2e-3": ["train.lr=1.2e-3"],
     "warmup-200": ["train.warmup_steps=200"],

@@ -290,7 +290,16 @@ def test_eagle31_options_normalise_each_layer_and_feed_back_the_normed_state():
         torch.testing.assert_close(head.logits(out), head.lm_head(out))
 
 
-def test_eagle31_options_are_refused_for_eagle1():
-    model, _ = make_model("llama")
-    with pytest.raises(ConfigError, match="draft.fc_norm / draft.norm_output are EAGLE-3.1 options"):
-        head_config_from_target(model.config, DraftConfig(algorithm="eagle1", fc_norm=True))
+def test_eagle31_options_apply_to_eagle3_and_are_ignored_by_eagle1():
+    """The SmolLM2 recipe turns fc_norm / norm_output on; `recipe=... draft=eagle1` must still build."""
+    from eagle.cli.app import compose
+
+    model = make_model("llama")[0]
+    for algo, expected in (("eagle3", True), ("eagle1", False)):
+        draft = compose(["recipe=smollm2-135m-instruct", f"draft={algo}"]).draft
+        assert draft.fc_norm and draft.norm_output  # what the recipe asks for, whatever the algorithm
+        cfg = head_config_from_target(model.config, DraftConfig(**{**vars(draft), "draft_vocab_size": DRAFT_VOCAB,
+                                                                    "aux_layer_ids": None}))
+        assert (cfg.fc_norm, cfg.norm_output) == (expected, expected), algo
+        counts = torch.ones(cfg.vocab_size, dtype=torch.long)
+        assert hasattr(build_head(cfg, model, vocab_counts=counts), "fc_norm") == expected

@@ -277,6 +277,17 @@ def _bf16_native() -> bool:
     return native_dtype_support("bfloat16", "cpu")[0]
 
 
+@pytest.fixture
+def bf16_anywhere(monkeypatch):
+    """bf16 autocast on any CPU. Where bf16 is not native the refusal is lifted and torch emulates it
+    (slowly; fine on tiny models): these tests check what bf16 training computes, not its speed."""
+    from eagle import precision
+
+    if not _bf16_native():
+        flags = frozenset({*precision.cpu_flags(), "avx512_bf16"})
+        monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+
+
 BF16_GROUPED = {"train__mixed_precision": "bf16", "train__group_by_length": True}
 needs_bf16 = pytest.mark.skipif(not _bf16_native(), reason="this CPU has no native bf16")
 
@@ -334,7 +345,7 @@ def test_grad_accum_check_catches_local_normalisation(ws3, tmp_path, monkeypatch
         assert_same_update(head_weights(final_head(tmp_path / "a", 1)), head_weights(final_head(tmp_path / "b", 1)))
 
 
-def test_bf16_mixed_precision_trains(ws3, tmp_path):
+def test_bf16_mixed_precision_trains(ws3, tmp_path, bf16_anywhere):
     from eagle.train.trainer import train
 
     result = train(ws3.cfg(tmp_path / "o", steps=2, train__mixed_precision="bf16", train__eval_every=2))
@@ -343,7 +354,7 @@ def test_bf16_mixed_precision_trains(ws3, tmp_path):
     assert result.eval_metrics["loss"] != result.initial_eval_metrics["loss"]  # the head moved
 
 
-def test_bf16_and_fp32_training_reach_the_same_loss(ws3, tmp_path):
+def test_bf16_and_fp32_training_reach_the_same_loss(ws3, tmp_path, bf16_anywhere):
     """bf16 autocast changes rounding, not what is learnt: after 8 steps on the tiny model the held-out
     loss is within 1% of float32's (measured: 0.01%) and both improve on the untrained head."""
     from eagle.train.trainer import train
@@ -359,7 +370,7 @@ def test_bf16_and_fp32_training_reach_the_same_loss(ws3, tmp_path):
 
 
 @pytest.mark.parametrize("capture_dtype", ["float16", "bfloat16"])
-def test_bf16_mixed_precision_trains_on_half_precision_captures(ws3, tmp_path, capture_dtype):
+def test_bf16_mixed_precision_trains_on_half_precision_captures(ws3, tmp_path, bf16_anywhere, capture_dtype):
     """float16 features inside CPU bf16 autocast used to crash (`at::autocast::prioritize`)."""
     from eagle.capture.runner import run_capture
     from eagle.train.trainer import train

@@ -57,7 +57,8 @@ def head_config_from_target(
 
     A head without `reduced_vocab` (EAGLE-1) uses the full target vocabulary (`draft.draft_vocab_size`
     is ignored); one with it (EAGLE-3) uses `draft.draft_vocab_size` (None = full vocabulary). A head
-    with `num_aux_layers` reads `draft.aux_layer_ids` (None = the target's default three).
+    with `num_aux_layers` reads `draft.aux_layer_ids` (None = the target's default three) and the
+    EAGLE-3.1 options `draft.fc_norm` / `draft.norm_output` (ignored, with a log line, by other heads).
     """
     text = text_config(target_config)
     algo = draft_cfg.algorithm
@@ -85,9 +86,12 @@ def head_config_from_target(
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
                 raise ConfigError(problem)
-    if (draft_cfg.fc_norm or draft_cfg.norm_output) and not head_cls.num_aux_layers:
-        raise ConfigError(f"draft.fc_norm / draft.norm_output are EAGLE-3.1 options of fused-feature heads; "
-                          f"draft.algorithm={algo} has no aux layers: set them to false")
+    eagle31 = bool(head_cls.num_aux_layers)
+    if (draft_cfg.fc_norm or draft_cfg.norm_output) and not eagle31:
+        # Like draft_vocab_size and aux_layer_ids: a recipe sets them for its EAGLE-3 head, and
+        # `recipe=... draft=eagle1` must still work.
+        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of fused-feature heads; "
+                 "draft.algorithm=%s has no aux layers, so they are ignored", algo)
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     return HeadConfig(
         algorithm=algo,
@@ -107,8 +111,8 @@ def head_config_from_target(
         aux_layer_ids=aux,
         target_model_type=str(getattr(text, "model_type", "") or ""),
         target_fingerprint=target_info.fingerprint if target_info is not None else "",
-        fc_norm=bool(draft_cfg.fc_norm),
-        norm_output=bool(draft_cfg.norm_output),
+        fc_norm=eagle31 and bool(draft_cfg.fc_norm),
+        norm_output=eagle31 and bool(draft_cfg.norm_output),
     )
 
 
