@@ -171,7 +171,7 @@ class DecodeConfig:
     # | float32 | bfloat16 | float16. The target's verify pass decides every token, so this moves speed
     # and acceptance, never the output.
     draft_dtype: str = "target"
-    # full | int8 (weight-only int8 linears, a bf16 head on a CPU) | auto (int8 exactly there).
+    # full | int8 (int8 linears on a CPU: weight-only for a bf16 head, fbgemm dynamic for a float32 one) | auto (int8 on a CPU).
     draft_weights: str = "full"
 
 

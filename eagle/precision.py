@@ -13,8 +13,9 @@
     (`resolve_mixed_precision`: `auto` = bf16 autocast where native).
 
 The draft head has its own setting (`decode.draft_dtype`, `resolve_draft_dtype`): the CPU preset runs it
-in bfloat16 wherever that is native, also beside a float32 target, and with int8 weight-only linears
-(`decode.draft_weights`, `resolve_draft_weights`); the verify pass in the target's dtype decides every token.
+in bfloat16 wherever that is native, also beside a float32 target, and with int8 weights
+(`decode.draft_weights`, `resolve_draft_weights`; on CPUs without bf16 a float32 head with fbgemm's
+dynamic int8 product); the verify pass in the target's dtype decides every token.
 
 An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
 would emulate it, several times slower than float32.
@@ -138,22 +139,34 @@ def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device: torch.devi
     return DTYPES[name]
 
 
+@functools.cache
+def dynamic_int8_available() -> bool:
+    """Whether this torch build has fbgemm's dynamic int8 linear (`eagle.heads.quantize.DynamicInt8Linear`)."""
+    engines = set(torch.backends.quantized.supported_engines)
+    return bool(engines & {"fbgemm", "x86"}) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
 def resolve_draft_weights(name: str, draft_dtype: torch.dtype, device: torch.device | str | None = None) -> str:
     """`full` or `int8` for `decode.draft_weights=name` (see `eagle.heads.quantize`).
 
-    int8 weight-only linears run on a CPU with bfloat16 activations (torch's kernel is slower than
-    a float32 matmul with float32 activations); `auto` picks int8 exactly there.
+    int8 runs on a CPU: a bfloat16 head uses the weight-only int8 kernel, a float32 head fbgemm's
+    dynamic int8 product (where this torch build has it). `auto` picks int8 for both on a CPU.
     """
     if name not in DRAFT_WEIGHTS:
         raise TargetError(f"decode.draft_weights={name!r} is not one of {', '.join(DRAFT_WEIGHTS)}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    fits = dev.type == "cpu" and draft_dtype == torch.bfloat16
+    why = ""
+    if dev.type != "cpu":
+        why = f"int8 draft weights run on a CPU (here: {dev.type})"
+    elif draft_dtype == torch.float32:
+        if not dynamic_int8_available():
+            why = "this torch build has no fbgemm dynamic int8 linear for a float32 head"
+    elif draft_dtype != torch.bfloat16:
+        why = f"int8 draft weights need a bfloat16 or float32 head (here: {dtype_name(draft_dtype)})"
     if name == "auto":
-        return "int8" if fits else "full"
-    if name == "int8" and not fits:
-        raise TargetError(f"decode.draft_weights=int8 needs a bfloat16 head on a CPU (here: a {dtype_name(draft_dtype)} "
-                          f"head on {dev.type}); set decode.draft_dtype=bfloat16 on a CPU with bf16, or "
-                          "decode.draft_weights=full")
+        return "full" if why else "int8"
+    if name == "int8" and why:
+        raise TargetError(f"decode.draft_weights=int8: {why}; set decode.draft_weights=full")
     return name
 
 
@@ -162,5 +175,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = ["DRAFT_DTYPES", "DRAFT_WEIGHTS", "DTYPES", "DTYPE_NAMES", "MIXED_PRECISION", "cpu_flags", "dtype_name",
+           "dynamic_int8_available",
            "native_dtype_support", "resolve_draft_dtype", "resolve_draft_weights", "resolve_dtype",
            "resolve_mixed_precision"]

@@ -53,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
         args.overrides.insert(0, args.head)
         args.head = None
+    # `--draft-weights full int8 eval.prompts=humaneval`: the list options swallow the overrides after them.
+    for name, allowed in (("dtypes", ("auto", "float32", "bfloat16", "float16")), ("draft_weights", ("auto", "full", "int8"))):
+        values = getattr(args, name) or []
+        args.overrides += [v for v in values if "=" in v]
+        values = [v for v in values if "=" not in v]
+        if bad := [v for v in values if v not in allowed]:
+            parser.error(f"--{name.replace('_', '-')}: {', '.join(bad)} is not one of {', '.join(allowed)}")
+        setattr(args, name, values or None)
     head = Path(args.head) if args.head else DEFAULT_HEAD
     if not head.exists():
         parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "

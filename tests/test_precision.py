@@ -83,15 +83,26 @@ def test_draft_dtype_auto_is_bf16_where_native_whatever_the_target(flags):
     assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.bfloat16
     assert precision.resolve_draft_dtype("target", torch.float32, "cpu") == torch.float32
     assert precision.resolve_draft_weights("auto", torch.bfloat16, "cpu") == "int8"
-    assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "full"
     flags("avx2")
     assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.float32
     with pytest.raises(TargetError, match=r"decode.draft_dtype=bfloat16 on cpu: .*avx512_bf16"):
         precision.resolve_draft_dtype("bfloat16", torch.float32, "cpu")
-    with pytest.raises(TargetError, match=r"decode.draft_weights=int8 needs a bfloat16 head on a CPU \(here: a float32"):
-        precision.resolve_draft_weights("int8", torch.float32, "cpu")
     with pytest.raises(TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8"):
         precision.resolve_draft_weights("int4", torch.bfloat16, "cpu")
+
+
+def test_draft_weights_int8_for_float32_heads_where_fbgemm_is_there(monkeypatch):
+    assert precision.dynamic_int8_available()  # every x86 / arm CPU build of torch has it
+    assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "int8"
+    assert precision.resolve_draft_weights("auto", torch.float32, "cuda") == "full"
+    assert precision.resolve_draft_weights("auto", torch.float16, "cpu") == "full"
+    with pytest.raises(TargetError, match=r"decode.draft_weights=int8: int8 draft weights need a bfloat16 or "
+                                          r"float32 head \(here: float16\); set decode.draft_weights=full"):
+        precision.resolve_draft_weights("int8", torch.float16, "cpu")
+    monkeypatch.setattr(precision, "dynamic_int8_available", lambda: False)
+    assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "full"
+    with pytest.raises(TargetError, match="no fbgemm dynamic int8 linear for a float32 head"):
+        precision.resolve_draft_weights("int8", torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("in_features", [64, 40, 7])  # 40 and 7: not a multiple of the kernel's 16
@@ -109,6 +120,28 @@ def test_int8_linear_equals_its_reference_and_stays_near_the_float_layer(in_feat
     assert torch.allclose(y.float(), ref, atol=2e-2, rtol=1e-2)
     exact = layer(x.float())
     assert (y.float() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("in_features", [64, 40, 7])
+def test_dynamic_int8_linear_stays_near_its_reference(in_features):
+    """The float32 path: same int8 weights as the reference maths; the activations' 7-bit dynamic
+    quantisation adds an error of about 1% of the largest output (measured 0.8-1.6% here)."""
+    import copy
+
+    from eagle.heads.quantize import DynamicInt8Linear, int8_linear_reference, quantize_rows
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(in_features, 24, bias=True)
+    x = torch.randn(2, 3, in_features)
+    q, scales = quantize_rows(layer.weight)
+    quantized = DynamicInt8Linear.from_linear(layer)
+    assert torch.equal(quantized.qweight, q)
+    y = quantized(x)  # [2, 3, 24]
+    assert y.shape == (2, 3, 24) and y.dtype == torch.float32
+    ref = int8_linear_reference(x, q, scales, layer.bias)
+    assert (y - ref).abs().max() < 0.03 * ref.abs().max()
+    assert (y - layer(x)).abs().max() < 0.03 * layer(x).abs().max()
+    assert torch.equal(copy.deepcopy(quantized)(x), y)  # the packed weights are rebuilt on a copy
 
 
 def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
@@ -156,3 +189,23 @@ def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_
     assert (gen.draft_dtype, gen.draft_weights) == ("bfloat16", "int8") and has_int8_linears(gen.head)
     assert not has_int8_linears(head) and next(head.parameters()).dtype == torch.float32
     assert gen.generate(ids).tokens == ref
+
+
+def test_float32_int8_head_on_a_cpu_without_bf16_keeps_greedy_output(tiny_target_dir, flags):
+    """decode.draft_dtype/draft_weights=auto on an AVX2-only CPU: a float32 head with dynamic int8
+    linears drafts, the float32 target verifies, and the output is the target's own greedy output."""
+    from eagle.config import TargetConfig
+    from eagle.decode import SpeculativeGenerator
+    from eagle.heads.quantize import DynamicInt8Linear, has_int8_linears
+    from eagle.targets import load_target
+    from tests.support.decode import decode_cfg, hf_greedy, random_head
+
+    flags("avx2")
+    model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(model, "eagle3", draft_vocab_size=100)
+    ids = [1, 5, 9, 14, 3, 7]
+    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
+                                                            draft_weights="auto"))
+    assert (gen.draft_dtype, gen.draft_weights) == ("float32", "int8")
+    assert isinstance(gen.head.lm_head, DynamicInt8Linear) and not has_int8_linears(head)
+    assert gen.generate(ids).tokens == hf_greedy(model, ids, 20)

@@ -114,7 +114,8 @@ class SpeculativeGenerator:
         have = next(head.parameters()).dtype
         if self.draft_weights == "int8":
             if not has_int8_linears(head):
-                log.info("draft head: int8 weight-only linears, %s activations (was %s)", self.draft_dtype, have)
+                log.info("draft head: int8 linears, %s activations (%s; was %s)", self.draft_dtype,
+                         "weight-only" if dtype == torch.bfloat16 else "dynamically quantised", have)
                 head = quantize_head_int8(head, dtype)
         elif have != dtype:
             log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype)
