@@ -143,7 +143,8 @@ def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device: torch.devi
 def dynamic_int8_available() -> bool:
     """Whether this torch build has fbgemm's dynamic int8 linear (`eagle.heads.quantize.DynamicInt8Linear`)."""
     engines = set(torch.backends.quantized.supported_engines)
-    return bool(engines & {"fbgemm", "x86"}) and hasattr(torch.ops.quantized, "linear_dynamic")
+    ops = all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic"))
+    return bool(engines & {"fbgemm", "x86"}) and ops and hasattr(torch, "_make_per_channel_quantized_tensor")
 
 
 def resolve_draft_weights(name: str, draft_dtype: torch.dtype, device: torch.device | str | None = None) -> str:
