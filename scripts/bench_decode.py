@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.head)
         args.head = None
     # `--draft-weights full int8 eval.prompts=humaneval`: the list options swallow the overrides after them.
-    for name, allowed in (("dtypes", ("auto", "float32", "bfloat16", "float16")), ("draft_weights", ("auto", "full", "int8"))):
+    from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
+
+    for name, allowed in (("dtypes", DTYPE_NAMES), ("draft_weights", DRAFT_WEIGHTS)):
         values = getattr(args, name) or []
         args.overrides += [v for v in values if "=" in v]
         values = [v for v in values if "=" not in v]

@@ -41,7 +41,9 @@ VARIANTS: dict[str, list[str]] = {
     "ttt-7": ["train.ttt_steps=7"],
     "vocab-4096": ["draft.draft_vocab_size=4096"],
     "vocab-16384": ["draft.draft_vocab_size=16384"],
-    "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],  # SpecForge / speculators / vLLM norms
+    # SpecForge / speculators / vLLM norms: the recipe's own setting since the study, kept as a name
+    # so that the study's command (README) still reproduces its rows.
+    "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],
 }
 
 

@@ -3,8 +3,8 @@
 # online training (the target runs beside the head, nothing on disk) on the self-distilled data kept in
 # the repository, with an LR schedule sized to the budget, and the best held-out head (fp32) plus its
 # metrics left in $OUT (or outputs/gpu). Evaluation, export and the engine checks run afterwards on
-# the CPU, where users decode (scripts/reference_cpu.sh STAGES="eval export check" with
-# INIT_HEAD=... ; see heads/smollm2-135m-instruct-eagle3.notes.md).
+# the CPU, where users decode: put the reassembled model.safetensors and head_config.json in
+# outputs/ref/train/best/ and run `STAGES="eval export check" bash scripts/reference_cpu.sh`.
 #
 #   BUDGET_S=420 bash scripts/gpu_train.sh
 #
@@ -32,6 +32,8 @@ BATCH=${BATCH:-64}
 LR=${LR:-8e-4}
 TTT=${TTT:-7}
 VOCAB=${VOCAB:-8192}
+MP=${MP:-bf16}
+DTYPE=${DTYPE:-bfloat16}
 CALIB_STEPS=${CALIB_STEPS:-30}
 EVAL_EVERY=${EVAL_EVERY:-100}
 PACK_S=${PACK_S:-25}   # what the final held-out eval, save and packing take after training stops
@@ -59,11 +61,11 @@ fi
 echo "data: $(wc -l < "$JSONL") conversations in $JSONL"
 
 RUN="$WORK/train"
-ARGS=(recipe=smollm2-135m-instruct target.path="$TARGET" target.dtype="${DTYPE:-bfloat16}"
-  data=local data.path="$JSONL" data.max_conversations=null data.max_length=768
-  draft.draft_vocab_size="$VOCAB" draft.fc_norm=true draft.norm_output=true
+# The recipe's head (EAGLE-3.1 norms, aux layers) with GPU-sized batches and the settings above.
+ARGS=(recipe=smollm2-135m-instruct target.path="$TARGET" target.dtype="$DTYPE"
+  data=local data.path="$JSONL" data.max_conversations=null data.max_length=768 draft.draft_vocab_size="$VOCAB"
   train.mode=online train.max_length=768 train.lr="$LR" train.warmup_steps=100 train.ttt_steps="$TTT"
-  train.mixed_precision="${MP:-bf16}" train.group_by_length=true train.eval_every="$EVAL_EVERY" train.eval_batches=8
+  train.mixed_precision="$MP" train.group_by_length=true train.eval_every="$EVAL_EVERY" train.eval_batches=8
   train.save_every=250 train.log_every=10 train.keep_checkpoints=1 output_dir="$RUN")
 
 calibrate() {  # calibrate BATCH: CALIB_STEPS steps into $RUN (a fresh run)

@@ -33,6 +33,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def bf16_anywhere(monkeypatch):
+    """bf16 on any CPU. Where bf16 is not native the refusal (`eagle.precision`) is lifted and torch
+    emulates it (slowly; fine on tiny models): such tests check what bf16 computes, not its speed."""
+    from eagle import precision
+
+    if not precision.native_dtype_support("bfloat16", "cpu")[0]:
+        flags = frozenset({*precision.cpu_flags(), "avx512_bf16"})
+        monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+
+
+@pytest.fixture
 def one_torch_thread():
     """One torch thread for tests on tiny models: they are latency-bound, and two threads on two busy
     cores only add contention and per-op overhead. Restores the previous count."""

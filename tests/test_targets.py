@@ -138,15 +138,10 @@ def _legacy_conversion(tmp_path: Path) -> tuple[Path, Path]:
     return gguf, legacy
 
 
-def test_legacy_gguf_conversion_is_repaired_into_a_plain_checkpoint(tmp_path, monkeypatch):
+def test_legacy_gguf_conversion_is_repaired_into_a_plain_checkpoint(tmp_path, bf16_anywhere):
     import json
 
-    from eagle import precision
     from eagle.targets import GGUF_CONVERSION_VERSION
-
-    # Loading in bf16 below must work on any CPU: where bf16 is not native, lift the refusal (emulated).
-    flags = frozenset({*precision.cpu_flags(), "avx512_bf16"})
-    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
 
     gguf, legacy = _legacy_conversion(tmp_path)
     before = {f.name: f.read_bytes() for f in legacy.glob("*.safetensors")}

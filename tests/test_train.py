@@ -277,17 +277,6 @@ def _bf16_native() -> bool:
     return native_dtype_support("bfloat16", "cpu")[0]
 
 
-@pytest.fixture
-def bf16_anywhere(monkeypatch):
-    """bf16 autocast on any CPU. Where bf16 is not native the refusal is lifted and torch emulates it
-    (slowly; fine on tiny models): these tests check what bf16 training computes, not its speed."""
-    from eagle import precision
-
-    if not _bf16_native():
-        flags = frozenset({*precision.cpu_flags(), "avx512_bf16"})
-        monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
-
-
 BF16_GROUPED = {"train__mixed_precision": "bf16", "train__group_by_length": True}
 needs_bf16 = pytest.mark.skipif(not _bf16_native(), reason="this CPU has no native bf16")
 
