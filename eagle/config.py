@@ -36,6 +36,9 @@ class TargetConfig:
     # Where GGUF targets are converted to HF checkpoints; default: $EAGLE_CACHE or ~/.cache/eagle.
     cache_dir: str | None = None
     attn_implementation: str = "sdpa"
+    # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes, batched
+    # regeneration) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
+    cpu_gemm: str = "auto"
 
 
 @dataclass
@@ -255,6 +258,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     """Range and consistency checks that the dataclass types cannot express."""
     dtypes = ("float32", "bfloat16", "float16")
     _choice("target.dtype", cfg.target.dtype, ("auto", *dtypes))
+    _choice("target.cpu_gemm", cfg.target.cpu_gemm, ("auto", "stock", "transposed"))
     _choice("data.source", cfg.data.source, ("sharegpt", "local", "hub"))
     _choice("data.format", cfg.data.format, ("auto", "sharegpt", "openai"))
     _choice("data.overflow", cfg.data.overflow, ("truncate", "drop"))

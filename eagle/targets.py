@@ -21,6 +21,7 @@ import torch
 
 from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
+from eagle.cpu_gemm import apply_cpu_gemm
 from eagle.errors import TargetError
 from eagle.fileio import atomic_dir, file_sha256
 from eagle.precision import dtype_name, resolve_dtype
@@ -38,6 +39,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     dtype: str = "float32"  # the dtype the weights were loaded in (target.dtype resolved)
+    gemm: str = "stock"  # the kernel of float32 CPU linears of 2-32 rows (target.cpu_gemm resolved)
 
 
 def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
@@ -215,6 +217,7 @@ def load_target(
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
+    gemm = apply_cpu_gemm(model, cfg.cpu_gemm)["kernel"]
     text = text_config(model.config)
     info = TargetInfo(
         source=cfg.path,
@@ -225,6 +228,7 @@ def load_target(
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,
         dtype=dtype_name(dtype),
+        gemm=gemm,
     )
     return model, tokenizer, info
 

@@ -2,7 +2,8 @@
 
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
-                                   [--dtypes bfloat16 float32] [--draft-weights full int8] [override ...]
+                                   [--dtypes bfloat16 float32] [--draft-weights full int8]
+                                   [--cpu-gemm stock transposed] [override ...]
 
 HEAD_DIR is anything `draft.path` accepts (training output dir, checkpoint dir, head folder or
 exported folder); default: heads/smollm2-135m-instruct-eagle3 in this repository. The tree is
@@ -13,7 +14,8 @@ prints the headline numbers plus the decoder's overhead per step, and exits 1 if
 differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie).
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
-for the head's weights (int8 weight-only linears against the full-precision head), in every dtype. Per step it also times a
+for the head's weights (int8 weight-only linears against the full-precision head), in every dtype, and
+--cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py). Per step it also times a
 verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
 drafting cost as a share of one plain decoding step.
 """
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto")
     parser.add_argument("--draft-weights", nargs="*", default=None,
                         help="measure each head setting in turn (auto | full | int8), for every dtype; default: the config's")
+    parser.add_argument("--cpu-gemm", nargs="*", default=None,
+                        help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_args(argv)
 
@@ -54,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.head)
         args.head = None
     # `--draft-weights full int8 eval.prompts=humaneval`: the list options swallow the overrides after them.
+    from eagle.cpu_gemm import CPU_GEMM
     from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
 
-    for name, allowed in (("dtypes", DTYPE_NAMES), ("draft_weights", DRAFT_WEIGHTS)):
+    for name, allowed in (("dtypes", DTYPE_NAMES), ("draft_weights", DRAFT_WEIGHTS), ("cpu_gemm", CPU_GEMM)):
         values = getattr(args, name) or []
         args.overrides += [v for v in values if "=" in v]
         values = [v for v in values if "=" not in v]
@@ -86,14 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    runs = [(dtype, weights) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]]
+    runs = [(dtype, weights, gemm) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]
+            for gemm in args.cpu_gemm or [None]]
     reports: dict[str, dict] = {}
     status = 0
-    for dtype, weights in runs:
-        label = dtype if weights is None else f"{dtype}-{weights}"
+    for dtype, weights, gemm in runs:
+        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}") if x)
         out = Path(args.output_dir) / label if len(runs) > 1 else Path(args.output_dir)
-        head_setting = [] if weights is None else [f"decode.draft_weights={weights}"]
-        cfg = compose([*overrides, f"target.dtype={dtype}", *head_setting, f"output_dir={out}", *args.overrides])
+        setting = ([] if weights is None else [f"decode.draft_weights={weights}"]) + (
+            [] if gemm is None else [f"target.cpu_gemm={gemm}"])
+        cfg = compose([*overrides, f"target.dtype={dtype}", *setting, f"output_dir={out}", *args.overrides])
         try:
             r = evaluate(cfg)
         except EagleError as e:
@@ -101,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
         s = r["settings"]
-        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']})"] = r
+        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')})"] = r
         _print_report(r, out)
         status = max(status, _lossless_status(r))
     if len(reports) > 1:
-        print(f"\n{'target dtype (head)':<34}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+        print(f"\n{'target dtype (head; target gemm)':<50}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
               f"{'draft/plain':>13}{'greedy':>8}")
         for dt, r in reports.items():
             m = r["methods"]
-            print(f"{dt:<34}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+            print(f"{dt:<50}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
                   f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
                   f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
     return status
@@ -142,7 +149,7 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
     ctx, gen = 256, torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (ctx + n,), generator=gen)
     cache, windows = new_cache(), layer_windows(target.config)
-    target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows)
+    target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows, last_logits_only=True)
     parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
     parents[n // 2 + 1:] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
     from eagle.decode.tree import tree_mask
@@ -190,7 +197,7 @@ def _print_report(r: dict, out: Path) -> None:
     s, d, hw = r["settings"], r["decoder"], r["settings"]["hardware"]
     print(f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), {s['prompts']} x{r['num_prompts']} "
           f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']} "
-          f"(head {s['draft_dtype']}, {s['draft_weights']} weights)")
+          f"(head {s['draft_dtype']}, {s['draft_weights']} weights), target gemm {s.get('cpu_gemm', 'stock')}")
     print(f"hardware: {hw['cpu']} | {hw['torch_threads']} torch threads | torch {hw['torch_version']} | {hw['device']}")
     print(f"tree: {s['tree']} | mean verified tree size {_f(r['mean_tree_size'], '.1f')}")
     if s.get("auto_verify_seconds"):

@@ -17,7 +17,7 @@ PACKAGE = Path(eagle.__file__).parent
 # Lowest first. A unit is a subpackage (eagle/heads/) or a top-level module (eagle/targets.py).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "fileio", "assets", "precision", "artifacts"},  # leaves: names, typed config, files
+    {"config", "fileio", "assets", "precision", "artifacts", "cpu_gemm"},  # leaves: names, typed config, files
     {"targets", "tracking"},  # the frozen target (load, facts); metric sinks
     {"heads"},  # draft-head modules
     {"algorithms"},  # per algorithm: feature spec, loss, export names (registry by name)

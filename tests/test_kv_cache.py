@@ -63,3 +63,18 @@ def test_sliding_window_is_applied_to_tree_masks():
     no_window = target_forward(model, seq[90:], torch.arange(90, 100), cache2, chain,
                                windows={"sliding_attention": None})
     assert (no_window.logits - full).abs().max() > 1e-3
+
+
+def test_prefill_with_last_logits_only_gives_the_last_row_and_the_same_cache(tiny_target):
+    model, _ = tiny_target
+    ids = torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(1))
+    full_cache, last_cache = new_cache(), new_cache()
+    full = target_forward(model, ids, torch.arange(40), full_cache, feature_layer_ids=[1, -1])
+    last = target_forward(model, ids, torch.arange(40), last_cache, feature_layer_ids=[1, -1], last_logits_only=True)
+    assert last.logits.shape == (1, full.logits.shape[-1])
+    torch.testing.assert_close(last.logits[0], full.logits[-1])
+    torch.testing.assert_close(last.features, full.features)  # features stay per position
+    nxt = torch.tensor([7])
+    a = target_forward(model, nxt, torch.tensor([40]), full_cache).logits
+    b = target_forward(model, nxt, torch.tensor([40]), last_cache).logits
+    torch.testing.assert_close(a, b)

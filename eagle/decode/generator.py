@@ -172,7 +172,7 @@ class SpeculativeGenerator:
 
         t0 = time.perf_counter()
         out = target_forward(self.target, prompt, torch.arange(n, device=self.device), tcache,
-                             feature_layer_ids=self.feature_ids, windows=self.windows)
+                             feature_layer_ids=self.feature_ids, windows=self.windows, last_logits_only=True)
         root = self._choose(out.logits[-1])
         res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
         emitted = stop.push([root])
@@ -250,7 +250,7 @@ def autoregressive_generate(
     ids, pos = prompt, torch.arange(prompt.numel(), device=device)
     while True:
         t0 = time.perf_counter()
-        out = target_forward(target, ids, pos, cache, windows=windows)
+        out = target_forward(target, ids, pos, cache, windows=windows, last_logits_only=ids is prompt)
         dt = time.perf_counter() - t0
         tok = sample_token(out.logits[-1], c.temperature, c.top_k, c.top_p, generator=rng)
         res.timings.target_s += dt

@@ -14,6 +14,7 @@ the mask we build is exactly what every layer sees:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,11 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.stack([hidden_states[i] for i in layer_ids], dim=2)
 
 
+def _takes_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward accepts `logits_to_keep` (every transformers 5 causal LM; remote code may not)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def new_cache() -> DynamicCache:
     """A cache of full (uncropped) layers; see the module docstring for why no config is passed."""
     return DynamicCache()
@@ -123,8 +129,13 @@ def target_forward(
     tree_mask: torch.Tensor | None = None,  # [T_q, T_q] bool; None = causal
     feature_layer_ids: list[int] | None = None,
     windows: dict[str, int | None] | None = None,
+    last_logits_only: bool = False,
 ) -> TargetOutput:
-    """One target forward of T_q new tokens over `cache` (which it extends by T_q entries)."""
+    """One target forward of T_q new tokens over `cache` (which it extends by T_q entries).
+
+    `last_logits_only`: logits for the last position only ([1, V]), as a prefill needs; the LM head
+    over a whole prompt is the largest product of the pass (SmolLM2: 49,152 x 576 per position).
+    """
     past = cache.get_seq_length()
     if tree_mask is None:
         tree_mask = torch.ones(input_ids.numel(), input_ids.numel(), dtype=torch.bool, device=input_ids.device).tril()
@@ -137,6 +148,7 @@ def target_forward(
         use_cache=True,
         output_hidden_states=bool(feature_layer_ids),
         return_dict=True,
+        **({"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(model) else {}),
     )
     feats = select_features(out.hidden_states, feature_layer_ids)[0] if feature_layer_ids else None
     return TargetOutput(logits=out.logits[0], features=feats)

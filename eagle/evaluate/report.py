@@ -192,7 +192,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Hardware: {s['hardware']['cpu']}, {s['hardware']['torch_threads']} torch threads, device "
         f"{s['hardware']['device']}, torch {s['hardware']['torch_version']}. Every figure is for dtype "
         f"**{s.get('dtype', 'float32')}** (the target, every method alike); the draft head computes in "
-        f"{s.get('draft_dtype', s.get('dtype', 'float32'))} with {s.get('draft_weights', 'full')} weights.",
+        f"{s.get('draft_dtype', s.get('dtype', 'float32'))} with {s.get('draft_weights', 'full')} weights; the "
+        f"target's float32 products of 2-32 rows use the {s.get('cpu_gemm', 'stock')} kernel (target.cpu_gemm).",
         "",
         "| method | tokens | seconds | tokens/s | speculative speedup |",
         "|---|---:|---:|---:|---:|",
