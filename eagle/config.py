@@ -36,8 +36,8 @@ class TargetConfig:
     # Where GGUF targets are converted to HF checkpoints; default: $EAGLE_CACHE or ~/.cache/eagle.
     cache_dir: str | None = None
     attn_implementation: str = "sdpa"
-    # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes, batched
-    # regeneration) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
+    # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes; also batched
+    # regeneration's decode steps) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
     cpu_gemm: str = "auto"
 
 
