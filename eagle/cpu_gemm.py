@@ -36,7 +36,7 @@ from eagle.errors import EagleError
 log = logging.getLogger(__name__)
 
 CPU_GEMM = ("auto", "stock", "transposed")
-MAX_ROWS = 32  # beyond this MKL's x @ W^T is efficient again (prefill, capture, training)
+MAX_ROWS = 32  # covers verify trees; prefill, capture and training (hundreds of rows) keep torch's kernel
 PROBE_ROWS = 8
 PAYS_BELOW = 0.8  # `auto` switches only when the transposed product takes < 80% of torch's time
 
