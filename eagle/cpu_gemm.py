@@ -24,7 +24,9 @@ take torch's own kernel.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,21 +70,22 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) in (nn.Linear, SmallBatchLinear)]
 
 
-def _median_ms(fn, reps: int = 5) -> float:
+def median_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median wall time of `fn()` over `reps` calls after one warm-up call, in ms."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[len(times) // 2]
+    return 1000 * statistics.median(times)
 
 
 @torch.inference_mode()
 def probe_transposed_gemm(weight: torch.Tensor, rows: int = PROBE_ROWS) -> tuple[float, float]:
     """(torch's ms, transposed ms) for `rows` rows through `weight` [out, in] on this machine."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
-    return _median_ms(lambda: F.linear(x, weight)), _median_ms(lambda: transposed_linear(x, weight, None))
+    return median_ms(lambda: F.linear(x, weight)), median_ms(lambda: transposed_linear(x, weight, None))
 
 
 def apply_cpu_gemm(model: nn.Module, choice: str) -> dict[str, Any]:
@@ -115,4 +118,4 @@ def apply_cpu_gemm(model: nn.Module, choice: str) -> dict[str, Any]:
     return decision
 
 
-__all__ = ["CPU_GEMM", "MAX_ROWS", "SmallBatchLinear", "apply_cpu_gemm", "probe_transposed_gemm", "transposed_linear"]
+__all__ = ["CPU_GEMM", "MAX_ROWS", "SmallBatchLinear", "apply_cpu_gemm", "median_ms", "probe_transposed_gemm", "transposed_linear"]

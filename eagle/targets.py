@@ -197,7 +197,8 @@ def load_target(
 ) -> tuple[Any, Any, TargetInfo]:
     """Load the frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`.
 
-    `stage` (decode | capture | train) only matters for `target.dtype=auto`; see `eagle.precision`.
+    `stage` (decode | regenerate | capture | train) picks `target.dtype=auto`'s dtype (see `eagle.precision`)
+    and whether `target.cpu_gemm` applies (decode and regenerate only; see `eagle.cpu_gemm`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -217,7 +218,8 @@ def load_target(
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
-    gemm = apply_cpu_gemm(model, cfg.cpu_gemm)["kernel"]
+    # Only decoding and regeneration run products of 2-32 rows; elsewhere the load-time probe is wasted work.
+    gemm = apply_cpu_gemm(model, cfg.cpu_gemm)["kernel"] if stage in ("decode", "regenerate") else "stock"
     text = text_config(model.config)
     info = TargetInfo(
         source=cfg.path,

@@ -133,11 +133,9 @@ def _draft_share_of_plain(r: dict) -> float | None:
 
 def _bare_vs_verify(cfg, r: dict) -> dict:
     """One verify pass (tree mask, feature layers) vs `model(...)` on a causal chain of as many tokens."""
-    import statistics
-    import time
-
     import torch
 
+    from eagle.cpu_gemm import median_ms
     from eagle.decode.cache import crop_cache
     from eagle.decode.target import layer_windows, new_cache, target_forward
     from eagle.export import load_draft
@@ -169,16 +167,7 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
                        windows=windows)
         crop_cache(cache, ctx)
 
-    def median_ms(fn, reps: int = 7) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
-
-    bare_ms, verify_ms = median_ms(bare), median_ms(verify)
+    bare_ms, verify_ms = median_ms(bare, reps=7), median_ms(verify, reps=7)
     return {"tokens": n, "context": ctx, "bare_ms": bare_ms, "verify_ms": verify_ms, "ratio": verify_ms / bare_ms}
 
 

@@ -11,9 +11,7 @@ ratio transposed / stock. Both kernels are timed in the same process, alternatin
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     from eagle.cli.app import compose
-    from eagle.cpu_gemm import apply_cpu_gemm, transposed_linear
+    from eagle.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
     from eagle.decode.cache import crop_cache
     from eagle.decode.target import layer_windows, new_cache, target_forward
     from eagle.evaluate.report import hardware_info
@@ -43,15 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware_info("cpu")
     print(f"{hw['cpu']} | {torch.get_num_threads()} threads | torch {torch.__version__}")
 
-    def median_ms(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
-
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)},
                     key=lambda s: -s[0] * s[1])
     gen = torch.Generator().manual_seed(0)
@@ -62,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for rows in args.rows:
                 x = torch.randn(rows, in_f, generator=gen)
-                stock = median_ms(lambda x=x, w=w: F.linear(x, w))
-                mine = median_ms(lambda x=x, w=w: transposed_linear(x, w, None))
+                stock = median_ms(lambda x=x, w=w: F.linear(x, w), args.reps)
+                mine = median_ms(lambda x=x, w=w: transposed_linear(x, w, None), args.reps)
                 cells.append(f"{stock:.2f} / {mine:.2f}")
             print(f"{str([out_f, in_f]):<16}" + "".join(f"{c:>16}" for c in cells))
 
@@ -81,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     base: dict[str, float] = {}
     for rows in args.rows:
         apply_cpu_gemm(model, "stock")
-        stock = median_ms(lambda rows=rows: forward(rows))
+        stock = median_ms(lambda rows=rows: forward(rows), args.reps)
         apply_cpu_gemm(model, "transposed")
-        mine = median_ms(lambda rows=rows: forward(rows))
+        mine = median_ms(lambda rows=rows: forward(rows), args.reps)
         base.setdefault("stock", stock)
         base.setdefault("mine", mine)
         print(f"{rows:>4}{stock:>10.1f}{mine:>10.1f}{mine / stock:>8.2f}{stock / base['stock']:>14.2f}"

@@ -82,3 +82,14 @@ def test_speculative_greedy_through_the_transposed_kernel_equals_hf_generate(fam
     res = SpeculativeGenerator(model, random_head(model, "eagle3", draft_vocab_size=200), tok,
                                decode_cfg(max_new_tokens=24)).generate(ids)
     assert res.tokens == ref
+
+
+def test_load_target_sets_the_kernel_for_decoding_and_regeneration_only(tiny_target_dir):
+    from eagle.config import TargetConfig
+    from eagle.targets import load_target
+
+    cfg = TargetConfig(path=str(tiny_target_dir), dtype="float32", cpu_gemm="transposed")
+    for stage, kernel in (("decode", "transposed"), ("regenerate", "transposed"), ("capture", "stock"), ("train", "stock")):
+        model, _, info = load_target(cfg, stage=stage)
+        assert info.gemm == kernel, stage
+        assert any(type(m) is SmallBatchLinear for m in model.modules()) == (kernel == "transposed"), stage
