@@ -176,6 +176,13 @@ class DecodeConfig:
     draft_dtype: str = "target"
     # full | int8 (int8 linears on a CPU: weight-only for a bf16 head, fbgemm dynamic for a float32 one) | auto (int8 on a CPU).
     draft_weights: str = "full"
+    # Prompt lookup grafted onto the head's tree (eagle/decode/lookup.py): up to this many tokens that
+    # followed the latest earlier occurrence of the context's longest suffix n-gram (lookup_max_ngram
+    # down to lookup_min_ngram tokens) join the tree as one root path. 0 = off. tree=auto keeps only
+    # the part whose measured acceptance pays for its share of the verify pass.
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
+    lookup_min_ngram: int = 2
 
 
 @dataclass
@@ -304,8 +311,13 @@ def validate(cfg: RootConfig) -> RootConfig:
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
     _choice("decode.draft_weights", d.draft_weights, ("auto", "full", "int8"))
-    for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens"):
+    for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens", "lookup_max_ngram",
+                 "lookup_min_ngram"):
         _positive(f"decode.{name}", getattr(d, name))
+    _positive("decode.lookup_tokens", d.lookup_tokens, allow_zero=True)
+    if d.lookup_min_ngram > d.lookup_max_ngram:
+        raise ConfigError(f"decode.lookup_min_ngram={d.lookup_min_ngram} is above decode.lookup_max_ngram="
+                          f"{d.lookup_max_ngram}; the lookup tries suffixes from the longest down to the shortest")
     _positive("decode.temperature", d.temperature, allow_zero=True)
     _positive("decode.top_k", d.top_k, allow_zero=True)
     if not 0.0 < d.top_p <= 1.0:

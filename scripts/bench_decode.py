@@ -3,7 +3,7 @@
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
                                    [--dtypes bfloat16 float32] [--draft-weights full int8]
-                                   [--cpu-gemm stock transposed] [override ...]
+                                   [--cpu-gemm stock transposed] [--lookup-tokens 0 8] [override ...]
 
 HEAD_DIR is anything `draft.path` accepts (training output dir, checkpoint dir, head folder or
 exported folder); default: heads/smollm2-135m-instruct-eagle3 in this repository. The tree is
@@ -15,7 +15,8 @@ differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
 for the head's weights (int8 weight-only linears against the full-precision head), in every dtype, and
---cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py). Per step it also times a
+--cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py), --lookup-tokens for
+prompt-lookup chains grafted onto the head's tree (decode.lookup_tokens, 0 = off). Per step it also times a
 verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
 drafting cost as a share of one plain decoding step.
 """
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure each head setting in turn (auto | full | int8), for every dtype; default: the config's")
     parser.add_argument("--cpu-gemm", nargs="*", default=None,
                         help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's")
+    parser.add_argument("--lookup-tokens", nargs="*", default=None,
+                        help="measure each decode.lookup_tokens in turn (0 = no prompt lookup); default: the config's")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_args(argv)
 
@@ -68,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad := [v for v in values if v not in allowed]:
             parser.error(f"--{name.replace('_', '-')}: {', '.join(bad)} is not one of {', '.join(allowed)}")
         setattr(args, name, values or None)
+    lookups = args.lookup_tokens or []
+    args.overrides += [v for v in lookups if "=" in v]
+    lookups = [v for v in lookups if "=" not in v]
+    if bad := [v for v in lookups if not v.isdigit()]:
+        parser.error(f"--lookup-tokens: {', '.join(bad)} is not a count of tokens (0 = no prompt lookup)")
+    args.lookup_tokens = [int(v) for v in lookups] or None
     head = Path(args.head) if args.head else DEFAULT_HEAD
     if not head.exists():
         parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
@@ -91,15 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    runs = [(dtype, weights, gemm) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]
-            for gemm in args.cpu_gemm or [None]]
+    runs = [(dtype, weights, gemm, lookup) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]
+            for gemm in args.cpu_gemm or [None] for lookup in args.lookup_tokens or [None]]
     reports: dict[str, dict] = {}
     status = 0
-    for dtype, weights, gemm in runs:
-        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}") if x)
+    for dtype, weights, gemm, lookup in runs:
+        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}", lookup is not None and f"lookup-{lookup}") if x)
         out = Path(args.output_dir) / label if len(runs) > 1 else Path(args.output_dir)
         setting = ([] if weights is None else [f"decode.draft_weights={weights}"]) + (
-            [] if gemm is None else [f"target.cpu_gemm={gemm}"])
+            [] if gemm is None else [f"target.cpu_gemm={gemm}"]) + (
+            [] if lookup is None else [f"decode.lookup_tokens={lookup}"])
         cfg = compose([*overrides, f"target.dtype={dtype}", *setting, f"output_dir={out}", *args.overrides])
         try:
             r = evaluate(cfg)
@@ -108,15 +118,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
         s = r["settings"]
-        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')})"] = r
+        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')}; "
+                f"lookup {s['tree'].get('lookup_tokens', 0)})"] = r
         _print_report(r, out)
         status = max(status, _lossless_status(r))
     if len(reports) > 1:
-        print(f"\n{'target dtype (head; target gemm)':<50}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+        print(f"\n{'target dtype (head; target gemm; lookup)':<60}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
               f"{'draft/plain':>13}{'greedy':>8}")
         for dt, r in reports.items():
             m = r["methods"]
-            print(f"{dt:<50}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+            print(f"{dt:<60}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
                   f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
                   f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
     return status
@@ -189,6 +200,9 @@ def _print_report(r: dict, out: Path) -> None:
           f"(head {s['draft_dtype']}, {s['draft_weights']} weights), target gemm {s.get('cpu_gemm', 'stock')}")
     print(f"hardware: {hw['cpu']} | {hw['torch_threads']} torch threads | torch {hw['torch_version']} | {hw['device']}")
     print(f"tree: {s['tree']} | mean verified tree size {_f(r['mean_tree_size'], '.1f')}")
+    if r.get("lookup_nodes_per_step") is not None:
+        print(f"prompt lookup (decode.lookup_tokens={s['tree'].get('lookup_tokens')}): "
+              f"{r['lookup_nodes_per_step']:.2f} grafted nodes per step, {r['lookup_accepted_share']:.3f} of the tokens")
     if s.get("auto_verify_seconds"):
         print("verify pass ms by size: " + ", ".join(f"{k}: {1000 * v:.1f}" for k, v in s["auto_verify_seconds"].items()))
     print(f"\n{'method':<16}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")

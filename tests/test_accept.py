@@ -210,18 +210,20 @@ def _vocab8_target():
     return model.eval()
 
 
-def _sampled_law_check(samples: int) -> None:
+def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), **decode_kw) -> None:
     """Tokens 2 and 3 of speculative sampling follow the target's exact law (token 1 is marginalised).
 
     Token 1 comes from the prefill; tokens 2-3 come from the first verify pass (an accepted draft plus
-    the choice at that node) or from two passes, so both acceptance outcomes are exercised.
+    the choice at that node) or from two passes, so both acceptance outcomes are exercised. With
+    `lookup_tokens` the prompt-lookup chain (unigram matches against the prompt and token 1) joins the
+    tree, sometimes as new nodes, sometimes along the head's.
     """
     model = _vocab8_target()
     tok = SimpleNamespace(eos_token_id=None)
-    prompt = [1, 5, 2]
+    prompt = list(prompt)
     t, k, tp = 0.9, 6, 0.95
-    cfg = DecodeConfig(tree="dynamic", tree_top_k=3, tree_depth=2, tree_total_tokens=5, max_new_tokens=3,
-                       temperature=t, top_k=k, top_p=tp, seed=0)
+    cfg = DecodeConfig(**{**dict(tree="dynamic", tree_top_k=3, tree_depth=2, tree_total_tokens=5, max_new_tokens=3,
+                                 temperature=t, top_k=k, top_p=tp, seed=0), **decode_kw})
     grid = torch.cartesian_prod(torch.arange(8), torch.arange(8))  # [64, 2] (t1, t2)
     seqs = torch.cat([torch.tensor(prompt).expand(64, 3), grid], dim=1)  # [64, 5]
     with torch.no_grad():
@@ -232,20 +234,30 @@ def _sampled_law_check(samples: int) -> None:
     exact = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # [64] law of (t2, t3)
     gen = SpeculativeGenerator(model, random_head(model, "eagle1", seed=0), tok, cfg)
     counts = torch.zeros(64)
-    accepted = 0
+    accepted = grafted_accepted = 0
     for _ in range(samples):
         res = gen.generate(prompt)
         assert len(res.tokens) == 3
         counts[res.tokens[1] * 8 + res.tokens[2]] += 1
         accepted += int(res.accept_lengths[0] >= 2)
+        grafted_accepted += sum(res.lookup_accepted)
+    if decode_kw.get("lookup_tokens"):
+        assert grafted_accepted > samples // 50, grafted_accepted  # lookup-only nodes were accepted too
     ok, stat, crit = chi2_ok(counts, exact)
     assert ok, (stat, crit)
     # Only meaningful if drafts were accepted often (the bonus-only path is trivially exact).
     assert accepted > samples // 8, accepted
 
 
-def test_sampled_decoding_follows_target_distribution():
-    _sampled_law_check(400)
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_sampled_decoding_follows_target_distribution(lookup):
+    # With lookup the head drafts one node, so that the chain often adds nodes of its own, and the prompt
+    # is one whose lookup proposals this target often takes (~0.8 accepted lookup nodes per run).
+    if lookup:
+        _sampled_law_check(400, prompt=(5, 7, 4), lookup_tokens=lookup, lookup_min_ngram=1, tree_top_k=1,
+                           tree_depth=1, tree_total_tokens=1)
+    else:
+        _sampled_law_check(400)
 
 
 @pytest.mark.slow

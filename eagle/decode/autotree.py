@@ -80,6 +80,21 @@ def choose_tree_size(
     return sizes[max(range(len(sizes)), key=rates.__getitem__)]
 
 
+def verify_time(verify_times: dict[int, float], size: int) -> float:
+    """Seconds of a verify pass over `size` drafted nodes, interpolated linearly between timed sizes
+    (extrapolated along the last two beyond the largest; the smallest's time below it)."""
+    sizes = sorted(verify_times)
+    if size <= sizes[0]:
+        return verify_times[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:], strict=False):
+        if size <= hi:
+            return verify_times[lo] + (verify_times[hi] - verify_times[lo]) * (size - lo) / (hi - lo)
+    if len(sizes) == 1:
+        return verify_times[sizes[0]]
+    lo, hi = sizes[-2], sizes[-1]
+    return verify_times[hi] + (verify_times[hi] - verify_times[lo]) * (size - hi) / (hi - lo)
+
+
 def monotone_envelope(times: dict[int, float]) -> dict[int, float]:
     """t(s) := min over s' >= s of t(s'): a pass over more tokens never costs less than one over fewer.
 

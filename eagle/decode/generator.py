@@ -3,7 +3,9 @@
 One step: the head drafts a tree below the root (the newest accepted token); one target forward
 verifies root + tree under the tree mask; `walk_tree` picks the accepted path plus a bonus token;
 both KV caches keep only the accepted path; the head commits the accepted tokens with the target
-features of that same verify pass, which also gives the hidden state drafting the next tree.
+features of that same verify pass, which also gives the hidden state drafting the next tree. With
+`decode.lookup_tokens`, a prompt-lookup proposal joins the head's tree before the verify pass
+(`eagle.decode.lookup`); the rest of the step is unchanged.
 
 Counting: `target_forwards` counts verify passes (prefill excluded); `accept_lengths[i]` is the number
 of tokens step i emitted (accepted drafts + the bonus token), so the mean acceptance length is
@@ -24,9 +26,16 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.decode.accept import Acceptance, sample_token, walk_tree
-from eagle.decode.autotree import AutoTreeState, choose_tree_size, expected_tokens, time_verify_passes
+from eagle.decode.autotree import (
+    AutoTreeState,
+    choose_tree_size,
+    expected_tokens,
+    time_verify_passes,
+    verify_time,
+)
 from eagle.decode.cache import keep_cache_entries
 from eagle.decode.draft import draft_pool, draft_static, head_commit, tree_from_pool
+from eagle.decode.lookup import LookupStats, NgramLookup, graft_chain
 from eagle.decode.stopping import StopChecker, eos_ids
 from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import Tree, compile_static_tree
@@ -57,7 +66,9 @@ class GenerationResult:
     target_forwards: int  # decoding target forwards, prefill excluded
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify pass (bonus included)
     accepted_depths: list[int] = field(default_factory=list)  # accepted draft nodes per verify pass
-    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per pass
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per pass (grafted included)
+    lookup_nodes: list[int] = field(default_factory=list)  # prompt-lookup nodes grafted per pass
+    lookup_accepted: list[int] = field(default_factory=list)  # of those, accepted per pass
     timings: Timings = field(default_factory=Timings)
     stop_reason: str = "max_new_tokens"  # eos | stop_string | max_new_tokens
 
@@ -100,6 +111,7 @@ class SpeculativeGenerator:
         self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self._auto = AutoTreeState()
+        self.lookup_stats = LookupStats(decode_cfg.lookup_tokens) if decode_cfg.lookup_tokens else None
         self.last_result: GenerationResult | None = None
 
     def _prepare_head(self, head: DraftHead, target_dtype: torch.dtype) -> DraftHead:
@@ -150,6 +162,29 @@ class SpeculativeGenerator:
         self._auto.levels = int(pool.depths.max())
         return tree_from_pool(pool, root, total)
 
+    def _graft(self, tree: Tree, chain: list[int]) -> tuple[Tree, int]:
+        """Add the prompt-lookup chain to the tree; return it and the number of grafted nodes.
+
+        Under tree=auto only the prefix of the new nodes that raises the expected tokens per second
+        is kept: each grafted node adds its measured chance of acceptance (`LookupStats`) and its
+        share of a bigger verify pass (`verify_time`)."""
+        if not chain:
+            return tree, 0
+        grafted, positions = graft_chain(tree, chain)
+        g = int(positions.numel())
+        if g and self.cfg.tree == "auto" and self.verify_times and self.lookup_stats is not None:
+            base = 1.0 + self._auto.calibration * self._auto.predicted  # the head's tree, calibrated
+            gains = self.lookup_stats.expected(positions)
+            s, fixed = tree.size, self._step_fixed_s
+
+            def rate(k: int) -> float:
+                return (base + (gains[k - 1] if k else 0.0)) / (verify_time(self.verify_times, s + k) + fixed)
+
+            g = max(range(g + 1), key=rate)
+            n = tree.size + 1 + g
+            grafted = Tree(tokens=grafted.tokens[:n], parents=grafted.parents[:n], depths=grafted.depths[:n])
+        return grafted, g
+
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
         if self.verify_times is None:
@@ -169,6 +204,7 @@ class SpeculativeGenerator:
         stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
         tcache, hcache = new_cache(), new_cache()
         n = prompt.numel()
+        lookup = None
 
         t0 = time.perf_counter()
         out = target_forward(self.target, prompt, torch.arange(n, device=self.device), tcache,
@@ -177,6 +213,8 @@ class SpeculativeGenerator:
         res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
         emitted = stop.push([root])
         res.tokens += emitted
+        if self.lookup_stats is not None:
+            lookup = NgramLookup(prompt.tolist() + [root], self.cfg.lookup_max_ngram, self.cfg.lookup_min_ngram)
         yield emitted
 
         t0 = time.perf_counter()
@@ -190,6 +228,8 @@ class SpeculativeGenerator:
         while not stop.done:
             t0 = time.perf_counter()
             tree = self._draft(hcache, root, root_hidden, root_pos)
+            chain = lookup.propose(self.cfg.lookup_tokens) if lookup is not None else []
+            tree, grafted = self._graft(tree, chain)
             t1 = time.perf_counter()
             out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
@@ -202,11 +242,20 @@ class SpeculativeGenerator:
             res.accept_lengths.append(len(emitted))
             res.accepted_depths.append(len(acc.tokens) - 1)
             res.tree_sizes.append(tree.size)
+            accepted_drafts = len(acc.tokens) - 1
+            if lookup is not None:
+                first_grafted = tree.size + 1 - grafted  # grafted nodes are the last ones
+                on_graft = int((acc.nodes >= first_grafted).sum()) if grafted else 0
+                res.lookup_nodes.append(grafted)
+                res.lookup_accepted.append(on_graft)
+                self.lookup_stats.observe(chain, acc.tokens, grafted, on_graft)
+                lookup.extend(acc.tokens)
+                accepted_drafts -= on_graft  # the head's calibration counts the head's nodes only
             res.timings.draft_s += t1 - t0
             res.timings.target_s += t2 - t1
             self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
             if self.cfg.tree == "auto":
-                self._auto.observe(accepted=len(acc.tokens) - 1, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
+                self._auto.observe(accepted=accepted_drafts, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
             yield emitted
             if stop.done:
                 break

@@ -65,6 +65,8 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
         "target_forwards": sum(int(s["target_forwards"]) for s in spec),
         "accept_lengths": [int(n) for s in spec for n in s["accept_lengths"]],
         "tree_sizes": [int(n) for s in spec for n in s.get("tree_sizes", [])],
+        "lookup_nodes": [int(n) for s in spec for n in s.get("lookup_nodes", [])],
+        "lookup_accepted": [int(n) for s in spec for n in s.get("lookup_accepted", [])],
         "seconds": {m: sum(t["methods"][m]["seconds"] for t in turns if m in t["methods"]) for m in methods},
         "tokens_by_method": {m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"])
                              for m in methods},
@@ -149,6 +151,8 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
     rates = metrics.accept_rate_by_depth(lengths, tree_depth)
     sizes = [n for p in per_prompt for n in p.get("tree_sizes", [])]
     decoder = _overhead(per_prompt)
+    grafted = [n for p in per_prompt for n in p.get("lookup_nodes", [])]
+    grafted_accepted = sum(n for p in per_prompt for n in p.get("lookup_accepted", []))
     report = {
         "num_prompts": len(per_prompt),
         "num_turns": sum(len(p["turns"]) for p in per_prompt),
@@ -159,6 +163,10 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
         "accept_fraction_by_depth": metrics.accept_fraction_by_depth(lengths, tree_depth),
         "accept_length_histogram": {str(k): v for k, v in metrics.histogram(lengths).items()},
         "mean_tree_size": sum(sizes) / len(sizes) if sizes else None,
+        # decode.lookup_tokens: prompt-lookup nodes grafted per step, and the share of the emitted
+        # tokens that only those nodes drafted (tokens the head's own tree did not contain).
+        "lookup_nodes_per_step": sum(grafted) / len(grafted) if grafted else None,
+        "lookup_accepted_share": grafted_accepted / max(1, sum(p["new_tokens"] for p in per_prompt)) if grafted else None,
         "tokens_per_s": spec_tps,
         "baseline_tokens_per_s": by_method.get("hf_generate", {}).get("tokens_per_s"),
         "speedup": ratio("hf_generate"),
@@ -216,6 +224,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"head {_fmt(dec.get('draft_ms_per_step'))} ms, bookkeeping {_fmt(dec.get('bookkeeping_ms_per_step'))} ms",
         f"- mean verified tree size: {_fmt(report.get('mean_tree_size'), 1)}",
     ]
+    if report.get("lookup_nodes_per_step") is not None:
+        lines.append(f"- prompt lookup: {_fmt(report['lookup_nodes_per_step'], 2)} grafted nodes per step; "
+                     f"{_fmt(report.get('lookup_accepted_share'))} of the emitted tokens came from them")
     if report.get("tree_sweep"):
         lines += ["", "| tree size | tau | tokens/s | speedup vs HF generate |", "|---:|---:|---:|---:|"]
         for row in report["tree_sweep"]:

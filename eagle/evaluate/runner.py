@@ -98,6 +98,8 @@ def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
             "target_forwards": int(res.target_forwards),
             "accept_lengths": [int(n) for n in res.accept_lengths],
             "tree_sizes": [int(n) for n in res.tree_sizes],
+            "lookup_nodes": [int(n) for n in res.lookup_nodes],
+            "lookup_accepted": [int(n) for n in res.lookup_accepted],
             "timings": timings,
             "stop_reason": res.stop_reason,
         }
@@ -213,13 +215,19 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
                    tree_total_tokens=decode.tree_total_tokens)
     if decode.tree == "auto":
         out["auto_candidates"] = list(decode.auto_candidates)
+    if decode.lookup_tokens:
+        out.update(lookup_tokens=decode.lookup_tokens, lookup_ngram=[decode.lookup_min_ngram, decode.lookup_max_ngram])
     return out
 
 
 def _max_depth(decode: DecodeConfig) -> int | None:
     if decode.tree == "static" and decode.static_paths:
-        return max(len(p) for p in decode.static_paths)
-    return decode.tree_depth if decode.tree != "static" else None
+        depth = max(len(p) for p in decode.static_paths)
+    else:
+        depth = decode.tree_depth if decode.tree != "static" else None
+    if depth is not None and decode.lookup_tokens:  # grafted lookup chains reach deeper than the head drafts
+        depth = max(depth, decode.lookup_tokens)
+    return depth
 
 
 def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, device: torch.device,
