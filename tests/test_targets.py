@@ -221,3 +221,38 @@ def test_config_token_ids_reads_lists_in_order_without_repeats():
     assert config_token_ids(("eos_token_id",), gen, tok) == [7, 2]
     assert config_token_ids(("eos_token_id", "bos_token_id", "pad_token_id"), tok, None, gen) == [2, 7, 1]
     assert config_token_ids(("eos_token_id",), None) == []
+
+
+def test_concurrent_gguf_conversions_take_turns(tmp_path, monkeypatch):
+    """Two processes (here: threads with their own lock handles) converting the same GGUF file at once:
+    one converts while the other waits, then finds the finished folder (no replacement under a reader)."""
+    import threading
+    import time
+
+    import eagle.targets as targets
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    events: list[str] = []
+
+    def fake_convert(gguf_path, digest, out, cache_dir):
+        if (out / ".complete").is_file():
+            events.append("found")
+            return out
+        events.append("start")
+        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        out.mkdir(parents=True)
+        (out / ".complete").write_text("")
+        events.append("end")
+        return out
+
+    monkeypatch.setattr(targets, "_convert_gguf_locked", fake_convert)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(targets.convert_gguf(gguf, tmp_path / "cache")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert events == ["start", "end", "found"]
+    assert len(set(results)) == 1
