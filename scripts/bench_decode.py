@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookup-tokens", nargs="*", default=None,
                         help="measure each decode.lookup_tokens in turn (0 = no prompt lookup); default: the config's")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow options: `... --max-prompts 40 eval.x=y`
 
     if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
         args.overrides.insert(0, args.head)
