@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.decode.tree import child_by_token
+
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """[..., V] logits -> [..., V] probabilities after temperature, top-k and top-p (nucleus).
@@ -131,7 +133,7 @@ def walk_tree(
     of logits instead of N + 1 (tests compare both).
     """
     tokens, parent_of = tree_tokens.tolist(), parents.tolist()
-    children: dict[tuple[int, int], int] = {(p, t): c for c, (p, t) in enumerate(zip(parent_of, tokens, strict=True)) if p >= 0}
+    children = child_by_token(tokens, parent_of)
     node, nodes = 0, [0]
     while True:
         y = sample_token(logits[node], temperature, top_k, top_p, generator)

@@ -248,7 +248,7 @@ class SpeculativeGenerator:
                 on_graft = int((acc.nodes >= first_grafted).sum()) if grafted else 0
                 res.lookup_nodes.append(grafted)
                 res.lookup_accepted.append(on_graft)
-                self.lookup_stats.observe(chain, acc.tokens, grafted, on_graft)
+                self.lookup_stats.observe(chain, acc.tokens)
                 lookup.extend(acc.tokens)
                 accepted_drafts -= on_graft  # the head's calibration counts the head's nodes only
             res.timings.draft_s += t1 - t0

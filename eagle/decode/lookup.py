@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.decode.tree import Tree
+from eagle.decode.tree import Tree, child_by_token
 
 
 class NgramLookup:
@@ -78,7 +78,7 @@ def graft_chain(tree: Tree, chain: list[int]) -> tuple[Tree, torch.Tensor]:
     children). Chain position i (0-based) sits at depth i + 1.
     """
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    children = {(p, t): c for c, (p, t) in enumerate(zip(parents, tokens, strict=True)) if p >= 0}
+    children = child_by_token(tokens, parents)
     node, i = 0, 0
     while i < len(chain) and (node, chain[i]) in children:
         node = children[(node, chain[i])]
@@ -109,9 +109,6 @@ class LookupStats:
     max_tokens: int
     decay: float = 0.9
     rate: list[float] = field(default_factory=list)
-    proposals: int = 0  # steps that grafted at least one node
-    grafted: int = 0  # grafted nodes verified
-    accepted: int = 0  # grafted nodes accepted
 
     def __post_init__(self) -> None:
         if not self.rate:
@@ -133,17 +130,13 @@ class LookupStats:
             out.append(total)
         return out
 
-    def observe(self, chain: list[int], emitted: list[int], grafted: int, grafted_accepted: int) -> None:
+    def observe(self, chain: list[int], emitted: list[int]) -> None:
         """A step proposed `chain` and emitted `emitted` (accepted drafts + the bonus token).
 
         The emitted tokens are the target's own choices, so chain token i is judged right or wrong
         whenever the step emitted past i - 1 along the chain, whether or not it was grafted: rates
         keep learning even while tree=auto grafts nothing.
         """
-        if grafted:
-            self.proposals += 1
-            self.grafted += grafted
-            self.accepted += grafted_accepted
         for i in range(min(len(chain), len(emitted))):
             hit = chain[i] == emitted[i]
             self.rate[i] = self.decay * self.rate[i] + (1 - self.decay) * float(hit)

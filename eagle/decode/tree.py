@@ -64,6 +64,11 @@ def ancestor_table(parents: torch.Tensor) -> torch.Tensor:
     return torch.stack(cols, dim=1)  # [N, D + 1]
 
 
+def child_by_token(tokens: list[int], parents: list[int]) -> dict[tuple[int, int], int]:
+    """(parent node, token) -> child node. Siblings carry distinct tokens, so the key is unique."""
+    return {(p, t): c for c, (p, t) in enumerate(zip(parents, tokens, strict=True)) if p >= 0}
+
+
 def tree_mask(parents: torch.Tensor) -> torch.Tensor:
     """[N] parent indices (-1 root, parents before children) -> [N, N] bool ancestor-or-self mask."""
     n = parents.numel()
