@@ -210,6 +210,10 @@ class ExportConfig:
     # eagle-export (the one the head was trained on; offline-loadable here), the target's Hub id for
     # eagle-publish; "local" / "hub" force one; any other value (a folder or Hub id) is written as is.
     verifier: str | None = None
+    # The chain length an engine should draft with this head (vLLM's `num_speculative_tokens`): written to
+    # a speculators config (`speculative_tokens`) and to the model card's serving command. Measure it for a
+    # head with `CHECK_K="1 2 3" scripts/check_vllm.sh HEAD` (the fastest k). null: decode.tree_depth.
+    speculative_tokens: int | None = None
 
 
 @dataclass
@@ -335,6 +339,7 @@ def validate(cfg: RootConfig) -> RootConfig:
         _positive("eval.tree_sweep", size)
     _choice("format", cfg.format, ("vllm", "sglang", "speculators", "hf"))
     _choice("export.dtype", cfg.export.dtype, dtypes)
+    _positive("export.speculative_tokens", cfg.export.speculative_tokens)
     _choice("logger.name", cfg.logger.name, ("console", "wandb"))
     return cfg
 

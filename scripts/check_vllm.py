@@ -6,8 +6,9 @@
     run      (vLLM venv)    one engine, with or without `speculative_config`, greedy decoding of the
                             prompts one at a time (batch 1) and four at a time (batch 4); wall time,
                             output token ids and vLLM's own speculative-decoding counters per phase
-    report   (any python)   acceptance per position, mean acceptance length, tokens/s, and whether
-                            greedy outputs with and without the head are identical; one PASS/FAIL line
+    report   (any python)   per k (one spec run each) and batch size: acceptance per position, mean
+                            acceptance length, tokens/s, and whether greedy outputs with and without
+                            the head are identical; the fastest k per batch size; one PASS/FAIL line
 
 Only `prepare` imports eagle; `run` needs only vLLM; `report` only the standard library.
 """
@@ -138,41 +139,50 @@ def _has(dist: str) -> bool:
 def report(args: argparse.Namespace) -> int:
     prep = json.loads(Path(args.prepared).read_text())
     base = json.loads(Path(args.base).read_text())
-    spec = json.loads(Path(args.spec).read_text())
-    sc = spec["speculative_config"]
-    print(f"vLLM {spec['vllm']} on CPU: target {prep['target']}\n  head {prep['head']} ({sc['method']}, "
-          f"num_speculative_tokens={sc['num_speculative_tokens']}, aux layers {prep['aux_layer_ids']})\n  "
-          f"{len(prep['prompts'])} MT-bench first turns x {spec['max_new_tokens']} new tokens, greedy; engine "
-          f"start-up {base['startup_s']:.0f}s / {spec['startup_s']:.0f}s (without / with head)")
-    print("| batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
+    specs = sorted((json.loads(Path(f).read_text()) for f in args.spec), key=lambda s: s["k"])
+    first = specs[0]
+    ks = ", ".join(str(s["k"]) for s in specs)
+    starts = " / ".join(f"{s['startup_s']:.0f}s" for s in specs)
+    print(f"vLLM {first['vllm']} on CPU: target {prep['target']}\n  head {prep['head']} "
+          f"({first['speculative_config']['method']}, num_speculative_tokens={ks}, aux layers "
+          f"{prep['aux_layer_ids']})\n  {len(prep['prompts'])} MT-bench first turns x {first['max_new_tokens']} "
+          f"new tokens, greedy; engine start-up {base['startup_s']:.0f}s without the head, {starts} with it")
+    print("| k | batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
           "length | greedy outputs identical |")
-    print("|---:|---:|---:|---:|---|---:|---|")
+    print("|---:|---:|---:|---:|---:|---|---:|---|")
     problems = []
-    for bs, s in spec["phases"].items():
-        b = base["phases"][bs]
-        per_pos = [a / s["drafts"] for a in s["accepted_per_pos"]] if s["drafts"] else []
-        mal = 1 + s["accepted"] / s["drafts"] if s["drafts"] else float("nan")
-        same = sum(b["outputs"][pid] == s["outputs"][pid] for pid in b["outputs"])
-        n = len(b["outputs"])
-        print(f"| {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
-              f"{s['tokens_per_s'] / b['tokens_per_s']:.2f}x | {' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | "
-              f"{mal:.2f} | {same}/{n} |")
-        if same != n:
-            first = next(pid for pid in b["outputs"] if b["outputs"][pid] != s["outputs"][pid])
-            x, y = b["outputs"][first], s["outputs"][first]
-            at = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
-            problems.append(f"batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt {first} "
-                            f"at new token {at})")
-        if not s["drafts"]:
-            problems.append(f"batch {bs}: vLLM proposed no drafts (speculation not running)")
-        elif per_pos[0] < args.min_accept:
-            problems.append(f"batch {bs}: position-1 acceptance {per_pos[0]:.3f} < {args.min_accept} (is the head "
-                            "loaded with the right weights / layers?)")
+    best: dict[str, tuple[float, int]] = {}  # batch -> (ratio, k)
+    for spec in specs:
+        k = spec["k"]
+        for bs, s in spec["phases"].items():
+            b = base["phases"][bs]
+            per_pos = [a / s["drafts"] for a in s["accepted_per_pos"]] if s["drafts"] else []
+            mal = 1 + s["accepted"] / s["drafts"] if s["drafts"] else float("nan")
+            same = sum(b["outputs"][pid] == s["outputs"][pid] for pid in b["outputs"])
+            n = len(b["outputs"])
+            ratio = s["tokens_per_s"] / b["tokens_per_s"]
+            if bs not in best or ratio > best[bs][0]:
+                best[bs] = (ratio, k)
+            print(f"| {k} | {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {ratio:.2f}x | "
+                  f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {mal:.2f} | {same}/{n} |")
+            if same != n:
+                pid = next(p for p in b["outputs"] if b["outputs"][p] != s["outputs"][p])
+                x, y = b["outputs"][pid], s["outputs"][pid]
+                at = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+                problems.append(f"k={k} batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt "
+                                f"{pid} at new token {at})")
+            if not s["drafts"]:
+                problems.append(f"k={k} batch {bs}: vLLM proposed no drafts (speculation not running)")
+            elif per_pos[0] < args.min_accept:
+                problems.append(f"k={k} batch {bs}: position-1 acceptance {per_pos[0]:.3f} < {args.min_accept} (is "
+                                "the head loaded with the right weights / layers?)")
+    if len(specs) > 1:
+        print("fastest k: " + ", ".join(f"batch {bs} k={k} ({r:.2f}x)" for bs, (r, k) in best.items()))
     if problems:
         print("FAIL: vLLM check: " + "; ".join(problems))
         return 1
-    print(f"PASS: vLLM check: vLLM serves the head with {sc['method']} speculation, greedy outputs identical to "
-          "vLLM without speculation at every batch size")
+    print(f"PASS: vLLM check: vLLM serves the head with {first['speculative_config']['method']} speculation, greedy "
+          "outputs identical to vLLM without speculation at every batch size" + (" and k" if len(specs) > 1 else ""))
     return 0
 
 
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("report")
     c.add_argument("--prepared", required=True)
     c.add_argument("--base", required=True)
-    c.add_argument("--spec", required=True)
+    c.add_argument("--spec", required=True, nargs="+", help="one run[spec] result per num_speculative_tokens")
     c.add_argument("--min-accept", type=float, default=0.05,
                    help="least position-1 acceptance that counts as the head working (a wrongly loaded head gets ~0)")
     args = ap.parse_args(argv)

@@ -14,6 +14,9 @@
 # acceptance per position, mean acceptance length and tokens/s, and one PASS/FAIL line; exits
 # non-zero on failure. About 10 minutes on 2 CPU cores once installed (the first run also fills
 # vLLM's compile cache in ~/.cache/vllm).
+# CHECK_K="1 2 3" (default 3) serves the head once per num_speculative_tokens (one more engine each,
+# ~4 min here) and reports every k against the same run without the head, with the fastest k per
+# batch size: the k a user should serve this head with on this machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/engine_venv.sh
@@ -23,7 +26,8 @@ TARGET=${TARGET:-smollm2-135m-instruct}
 WORK=${CHECK_DIR:-outputs/integration/vllm}
 PROMPTS=${CHECK_PROMPTS:-8}
 NEW_TOKENS=${CHECK_NEW_TOKENS:-64}
-K=${CHECK_K:-3}
+KS=${CHECK_K:-3}
+for k in $KS; do [[ $k =~ ^[1-9][0-9]*$ ]] || fail "CHECK_K=$KS: each k must be a positive integer"; done
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-900}
 OURS=.venv/bin
 [ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
@@ -39,27 +43,35 @@ echo "== prepare: target folder, head folder, $PROMPTS MT-bench prompts"
 timeout 600 "$OURS/python" scripts/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
   --work "$WORK" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
 
-# A compile cache of its own per check: vLLM 0.32 reloads torch.compile artefacts keyed by the target,
+# A compile cache of its own per engine: vLLM 0.32 reloads torch.compile artefacts keyed by the target,
 # and one written for an earlier head made the EAGLE-3 engine fail to load it and crash (stack overflow)
-# while recompiling. A fresh cache costs the compile (~30 s) and keeps the check independent of past runs.
-rm -rf "$WORK/vllm-cache" && mkdir -p "$WORK/vllm-cache"
-VLLM_CACHE_ROOT=$(cd "$WORK/vllm-cache" && pwd)
-export VLLM_CACHE_ROOT
-for mode in base spec; do
-  echo "== vLLM, $([ $mode = base ] && echo 'without the head' || echo "with the head (k=$K)") (log: $WORK/$mode.log)"
+# while recompiling. A fresh cache costs the compile (~30 s) and keeps each engine independent of the others.
+rm -rf "$WORK/vllm-cache"
+run_engine() {  # run_engine MODE K NAME: one engine, results in $WORK/NAME.json, log in $WORK/NAME.log
+  local mode=$1 k=$2 name=$3 rc
+  mkdir -p "$WORK/vllm-cache/$name"
+  VLLM_CACHE_ROOT=$(cd "$WORK/vllm-cache/$name" && pwd)
+  export VLLM_CACHE_ROOT
+  echo "== vLLM, $([ "$mode" = base ] && echo 'without the head' || echo "with the head (k=$k)") (log: $WORK/$name.log)"
   LD_PRELOAD=$IOMP HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
     timeout "$ENGINE_TIMEOUT" "$VENV/bin/python" scripts/check_vllm.py run --prepared "$WORK/prepared.json" \
-    --mode $mode --k "$K" --max-new-tokens "$NEW_TOKENS" --out "$WORK/$mode.json" >"$WORK/$mode.log" 2>&1
+    --mode "$mode" --k "$k" --max-new-tokens "$NEW_TOKENS" --out "$WORK/$name.json" >"$WORK/$name.log" 2>&1
   rc=$?
-  grep '^run\[' "$WORK/$mode.log"
+  grep '^run\[' "$WORK/$name.log"
   if [ $rc -ne 0 ]; then
-    tail -n 25 "$WORK/$mode.log"
-    [ $rc -eq 124 ] && fail "vLLM ($mode) ran past ${ENGINE_TIMEOUT}s"
-    fail "vLLM ($mode) exited $rc"
+    tail -n 25 "$WORK/$name.log"
+    [ $rc -eq 124 ] && fail "vLLM ($name) ran past ${ENGINE_TIMEOUT}s"
+    fail "vLLM ($name) exited $rc"
   fi
+}
+run_engine base 0 base
+SPECS=()
+for k in $KS; do
+  run_engine spec "$k" "spec-k$k"
+  SPECS+=("$WORK/spec-k$k.json")
 done
 
 "$OURS/python" scripts/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
-  --spec "$WORK/spec.json" | tee "$WORK/result.txt"
+  --spec "${SPECS[@]}" | tee "$WORK/result.txt"
 exit "${PIPESTATUS[0]}"

@@ -97,6 +97,7 @@ def test_recipe_values_override_groups():
         ("train.lr=fast", (ConfigCompositionException, ValidationError)),  # wrong type
         ("train.lr=-1e-3", ConfigError),
         ("decode.tree_depth=0", ConfigError),
+        ("export.speculative_tokens=0", ConfigError),
         ("decode.draft_dtype=int8", ConfigError),
         ("decode.draft_weights=int4", ConfigError),
         ("draft.algorithm=eagle9", ConfigError),

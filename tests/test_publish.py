@@ -158,6 +158,18 @@ def test_speculators_card_names_verifier_and_stored_embedding(run_dir, tiny_targ
     assert f"{head.config.vocab_size} x {head.config.hidden_size} x 2 bytes = {mib:.1f} MiB" in body
 
 
+def test_measured_chain_length_reaches_the_config_and_the_serving_command(run_dir, tmp_path):
+    """export.speculative_tokens (the fastest k a vLLM check measured) is what a speculators config and the
+    card's `vllm serve` line advertise; without it both follow decode.tree_depth."""
+    hub = run_publish(_cfg(run_dir, tmp_path / "k2", "publish.dry_run=true", "format=speculators",
+                           "export.speculative_tokens=2", "decode.tree_depth=5"))
+    head = check_folder(hub, expect_format="speculators", dtype="float16")
+    assert head.raw_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert '"num_speculative_tokens": 2}' in _card(hub)[1]
+    hub = run_publish(_cfg(run_dir, tmp_path / "depth", "publish.dry_run=true", "format=vllm", "decode.tree_depth=5"))
+    assert '"num_speculative_tokens": 5}' in _card(hub)[1]
+
+
 def test_card_describes_the_captured_self_distilled_data_and_warm_start(tiny_target_dir, tmp_path, monkeypatch):
     """Offline, the card's data and commands come from the capture (not the unused data.* of the training
     run), name the regeneration settings, the capture dtype, the warm start, and carry publish.notes."""

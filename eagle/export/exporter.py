@@ -266,6 +266,12 @@ def _trained_target_path(train_dir: Path | None) -> str | None:
         return None
 
 
+def served_chain_length(cfg: Any) -> int:
+    """The `num_speculative_tokens` an export advertises: `export.speculative_tokens`, else the decoder's
+    tree depth (what eagle's own decoder drafts at most)."""
+    return cfg.export.speculative_tokens or cfg.decode.tree_depth
+
+
 def run_export(cfg: Any) -> ExportedHead:
     """The `eagle-export` stage: validate `export.check`, or export `draft.path` to `output_dir`."""
     if cfg.export.check:
@@ -278,7 +284,7 @@ def run_export(cfg: Any) -> ExportedHead:
     source = check_folder(src)
     target_path = _trained_target_path(train_dir) or cfg.target.path
     head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
-                        target_path=target_path, speculative_tokens=cfg.decode.tree_depth,
+                        target_path=target_path, speculative_tokens=served_chain_length(cfg),
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None,
                         verifier=cfg.export.verifier, verifier_default="local")
     print(summary(head))

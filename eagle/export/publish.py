@@ -18,7 +18,7 @@ import yaml
 
 from eagle.artifacts import CAPTURE_CONFIG, MANIFEST, REPORT, TRAIN_CONFIG, regeneration_meta
 from eagle.errors import EagleError
-from eagle.export.exporter import _trained_target_path, resolve_head_source, write_export
+from eagle.export.exporter import _trained_target_path, resolve_head_source, served_chain_length, write_export
 from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
 from eagle.export.validate import ExportedHead, check_folder
 
@@ -221,7 +221,8 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
 
 
 def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports: list[dict[str, Any]],
-               provenance: dict[str, Any], repo_id: str | None, notes: str | None = None) -> str:
+               provenance: dict[str, Any], repo_id: str | None, notes: str | None = None,
+               speculative_tokens: int = 4) -> str:
     """README.md: YAML metadata + usage + measured figures + how it was made."""
     c = head.config
     algo_tag = c.algorithm
@@ -261,7 +262,8 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     method = spec.vllm_method
     if fmt in ("vllm", "speculators"):
         lines += ["```bash", f"vllm serve {target} --speculative-config "
-                  f"'{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": 4}}'", "```"]
+                  f"'{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": "
+                  f"{speculative_tokens}}}'", "```"]
     elif fmt == "sglang":
         algo_flag = spec.sglang_algorithm
         lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
@@ -362,10 +364,11 @@ def run_publish(cfg: Any) -> Path:
     # The card describes the validated export, so it is written after it (atomically, like the weights).
     # A published repo names the verifier by its Hub id unless export.verifier says otherwise.
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
-                        speculative_tokens=cfg.decode.tree_depth, verifier=cfg.export.verifier,
+                        speculative_tokens=served_chain_length(cfg), verifier=cfg.export.verifier,
                         verifier_default="hub",
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
-    card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes)
+    card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes,
+                      speculative_tokens=served_chain_length(cfg))
     tmp = hub / "README.md.tmp"
     tmp.write_text(card)
     tmp.replace(hub / "README.md")
