@@ -35,6 +35,14 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _take_overrides(args: argparse.Namespace, name: str) -> list[str]:
+    """The values of list option `name`, after moving the overrides it swallowed back to `args.overrides`
+    (`--draft-weights full int8 eval.prompts=humaneval`: a list option takes every word after it)."""
+    values = getattr(args, name) or []
+    args.overrides += [v for v in values if "=" in v]
+    return [v for v in values if "=" not in v]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("head", nargs="?", default=None, help=f"draft head (default: {DEFAULT_HEAD})")
@@ -60,20 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
         args.overrides.insert(0, args.head)
         args.head = None
-    # `--draft-weights full int8 eval.prompts=humaneval`: the list options swallow the overrides after them.
     from eagle.cpu_gemm import CPU_GEMM
     from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
 
     for name, allowed in (("dtypes", DTYPE_NAMES), ("draft_weights", DRAFT_WEIGHTS), ("cpu_gemm", CPU_GEMM)):
-        values = getattr(args, name) or []
-        args.overrides += [v for v in values if "=" in v]
-        values = [v for v in values if "=" not in v]
+        values = _take_overrides(args, name)
         if bad := [v for v in values if v not in allowed]:
             parser.error(f"--{name.replace('_', '-')}: {', '.join(bad)} is not one of {', '.join(allowed)}")
         setattr(args, name, values or None)
-    lookups = args.lookup_tokens or []
-    args.overrides += [v for v in lookups if "=" in v]
-    lookups = [v for v in lookups if "=" not in v]
+    lookups = _take_overrides(args, "lookup_tokens")
     if bad := [v for v in lookups if not v.isdigit()]:
         parser.error(f"--lookup-tokens: {', '.join(bad)} is not a count of tokens (0 = no prompt lookup)")
     args.lookup_tokens = [int(v) for v in lookups] or None

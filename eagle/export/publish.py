@@ -363,12 +363,13 @@ def run_publish(cfg: Any) -> Path:
     hub = Path(cfg.output_dir) / "hub"
     # The card describes the validated export, so it is written after it (atomically, like the weights).
     # A published repo names the verifier by its Hub id unless export.verifier says otherwise.
+    chain = served_chain_length(cfg)  # the config's and the card's num_speculative_tokens: one number
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
-                        speculative_tokens=served_chain_length(cfg), verifier=cfg.export.verifier,
+                        speculative_tokens=chain, verifier=cfg.export.verifier,
                         verifier_default="hub",
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
     card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes,
-                      speculative_tokens=served_chain_length(cfg))
+                      speculative_tokens=chain)
     tmp = hub / "README.md.tmp"
     tmp.write_text(card)
     tmp.replace(hub / "README.md")
