@@ -121,6 +121,10 @@ class TrainConfig:
     # Its shape (HeadConfig) must equal the one this run builds. A resumed run ignores it (the
     # checkpoint holds the weights). None: fresh init.
     init_from: str | None = None
+    # Fresh heads only: start the draft decoder layer from this target decoder layer's weights
+    # (negative counts from the end: -1 = last) and fc as a pass-through of the highest aux layer
+    # (eagle.heads.target_layer). None: random init.
+    init_layer_from_target: int | None = None
     # Stop after this many minutes of this invocation (eval and checkpoints included), finishing the
     # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
     # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.
@@ -183,6 +187,11 @@ class DecodeConfig:
     lookup_tokens: int = 0
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 2
+    # How the head picks draft tokens: topk = its most likely tokens (EAGLE-2 trees, the only choice at
+    # T=0); sample = a chain drawn from its law q, accepted by speculative sampling with probability
+    # sum min(p, q) instead of p(top-1) (T > 0 only; tree=auto picks the chain length from measured
+    # acceptance); auto = sample at T > 0 (except for a static tree), topk at T = 0.
+    draft_choice: str = "auto"
 
 
 @dataclass
@@ -311,6 +320,9 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError(f"train.max_minutes={t.max_minutes} must be > 0 (or null for no limit)")
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
+    if t.init_layer_from_target is not None and t.init_from:
+        raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
+                          f"train.init_from={t.init_from!r} a trained one: set one of them")
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
@@ -326,6 +338,13 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive("decode.top_k", d.top_k, allow_zero=True)
     if not 0.0 < d.top_p <= 1.0:
         raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1]")
+    _choice("decode.draft_choice", d.draft_choice, ("auto", "topk", "sample"))
+    if d.draft_choice == "sample" and d.temperature <= 0:
+        raise ConfigError("decode.draft_choice=sample needs decode.temperature > 0 (at temperature 0 a sampled "
+                          "draft is the top-1 draft): use draft_choice=auto or topk")
+    if d.draft_choice == "sample" and d.tree == "static":
+        raise ConfigError("decode.draft_choice=sample drafts a chain, decode.tree=static a fixed tree of "
+                          "top-k ranks: use tree=auto or dynamic with sample, or draft_choice=topk")
     if d.tree == "static" and not d.static_paths:
         raise ConfigError("decode.tree=static needs decode.static_paths (a list of paths of child ranks)")
     _choice("eval.turns", cfg.eval.turns, ("first", "all"))

@@ -3,7 +3,8 @@
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
                                    [--dtypes bfloat16 float32] [--draft-weights full int8]
-                                   [--cpu-gemm stock transposed] [--lookup-tokens 0 8] [override ...]
+                                   [--cpu-gemm stock transposed] [--lookup-tokens 0 8]
+                                   [--draft-choice topk sample] [override ...]
 
 HEAD_DIR is anything `draft.path` accepts (training output dir, checkpoint dir, head folder or
 exported folder); default: heads/smollm2-135m-instruct-eagle3 in this repository. The tree is
@@ -16,7 +17,8 @@ With several --dtypes every dtype is measured in the same process, on the same p
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
 for the head's weights (int8 weight-only linears against the full-precision head), in every dtype, and
 --cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py), --lookup-tokens for
-prompt-lookup chains grafted onto the head's tree (decode.lookup_tokens, 0 = off). Per step it also times a
+prompt-lookup chains grafted onto the head's tree (decode.lookup_tokens, 0 = off), --draft-choice for how
+the head drafts at temperature > 0 (decode.draft_choice: topk trees or sampled chains). Per step it also times a
 verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
 drafting cost as a share of one plain decoding step.
 """
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's")
     parser.add_argument("--lookup-tokens", nargs="*", default=None,
                         help="measure each decode.lookup_tokens in turn (0 = no prompt lookup); default: the config's")
+    parser.add_argument("--draft-choice", nargs="*", default=None,
+                        help="measure each decode.draft_choice in turn (auto | topk | sample; sample needs "
+                             "decode.temperature > 0); default: the config's")
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_intermixed_args(argv)  # overrides may follow options: `... --max-prompts 40 eval.x=y`
 
@@ -80,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [v for v in lookups if not v.isdigit()]:
         parser.error(f"--lookup-tokens: {', '.join(bad)} is not a count of tokens (0 = no prompt lookup)")
     args.lookup_tokens = [int(v) for v in lookups] or None
+    choices = _take_overrides(args, "draft_choice")
+    if bad := [v for v in choices if v not in ("auto", "topk", "sample")]:
+        parser.error(f"--draft-choice: {', '.join(bad)} is not one of auto, topk, sample")
+    args.draft_choice = choices or None
     head = Path(args.head) if args.head else DEFAULT_HEAD
     if not head.exists():
         parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
@@ -103,16 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    runs = [(dtype, weights, gemm, lookup) for dtype in args.dtypes or ["auto"] for weights in args.draft_weights or [None]
-            for gemm in args.cpu_gemm or [None] for lookup in args.lookup_tokens or [None]]
+    runs = [(dtype, weights, gemm, lookup, choice) for dtype in args.dtypes or ["auto"]
+            for weights in args.draft_weights or [None] for gemm in args.cpu_gemm or [None]
+            for lookup in args.lookup_tokens or [None] for choice in args.draft_choice or [None]]
     reports: dict[str, dict] = {}
     status = 0
-    for dtype, weights, gemm, lookup in runs:
-        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}", lookup is not None and f"lookup-{lookup}") if x)
+    for dtype, weights, gemm, lookup, choice in runs:
+        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}", lookup is not None and f"lookup-{lookup}",
+                                     choice and f"draft-{choice}") if x)
         out = Path(args.output_dir) / label if len(runs) > 1 else Path(args.output_dir)
         setting = ([] if weights is None else [f"decode.draft_weights={weights}"]) + (
             [] if gemm is None else [f"target.cpu_gemm={gemm}"]) + (
-            [] if lookup is None else [f"decode.lookup_tokens={lookup}"])
+            [] if lookup is None else [f"decode.lookup_tokens={lookup}"]) + (
+            [] if choice is None else [f"decode.draft_choice={choice}"])
         cfg = compose([*overrides, f"target.dtype={dtype}", *setting, f"output_dir={out}", *args.overrides])
         try:
             r = evaluate(cfg)
@@ -122,15 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
         s = r["settings"]
         reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')}; "
-                f"lookup {s['tree'].get('lookup_tokens', 0)})"] = r
+                f"lookup {s['tree'].get('lookup_tokens', 0)}"
+                + (f"; draft {s['tree']['draft_choice']}" if "draft_choice" in s["tree"] else "") + ")"] = r
         _print_report(r, out)
         status = max(status, _lossless_status(r))
     if len(reports) > 1:
-        print(f"\n{'target dtype (head; target gemm; lookup)':<60}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+        print(f"\n{'target dtype (head; target gemm; lookup; draft)':<80}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
               f"{'draft/plain':>13}{'greedy':>8}")
         for dt, r in reports.items():
             m = r["methods"]
-            print(f"{dt:<60}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+            print(f"{dt:<80}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
                   f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
                   f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
     return status

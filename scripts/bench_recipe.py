@@ -44,6 +44,8 @@ VARIANTS: dict[str, list[str]] = {
     # SpecForge / speculators / vLLM norms: the recipe's own setting since the study, kept as a name
     # so that the study's command (README) still reproduces its rows.
     "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],
+    # The decoder layer copied from the target's last layer, fc a pass-through of the highest aux layer.
+    "target-layer": ["train.init_layer_from_target=-1"],
 }
 
 

@@ -621,3 +621,26 @@ def test_init_from_starts_where_the_given_head_ended_and_refuses_another_shape(w
         train(ws3.cfg(tmp_path / "b", steps=4, train__init_from=final_head(tmp_path / "a", 4)))
     with pytest.raises(ConfigError, match="draft_vocab_size: 128 there, 64 here"):
         train(ws3.cfg(tmp_path / "e", steps=2, train__init_from=src, draft__draft_vocab_size=64))
+
+
+def test_init_layer_from_target_is_the_head_training_starts_from(ws3, tmp_path, capsys):
+    """train.init_layer_from_target: the head the loop trains starts with the target layer's weights
+    (a 1-step run at a vanishing learning rate keeps them), and it cannot be combined with init_from."""
+    from eagle.config import ConfigError
+    from eagle.heads.io import load_head
+    from eagle.targets import load_target
+    from eagle.train.trainer import train
+
+    run = train(ws3.cfg(tmp_path / "l", steps=1, train__init_layer_from_target=-1, train__lr=1e-12))
+    assert "decoder layer initialised from the target's layer 3" in capsys.readouterr().out
+    random_init = train(ws3.cfg(tmp_path / "r", steps=1, train__lr=1e-12))
+    assert run.initial_eval_metrics["loss"] != pytest.approx(random_init.initial_eval_metrics["loss"], rel=1e-6)
+    head = load_head(final_head(tmp_path / "l", 1))
+    target = load_target(ws3.cfg(tmp_path / "x").target)[0]
+    layer = target.model.layers[-1]
+    torch.testing.assert_close(head.midlayer.mlp.down_proj.weight, layer.mlp.down_proj.weight, rtol=0, atol=1e-9)
+    h = head.config.hidden_size
+    torch.testing.assert_close(head.midlayer.self_attn.q_proj.weight[:, h:], layer.self_attn.q_proj.weight,
+                               rtol=0, atol=1e-9)
+    with pytest.raises(ConfigError, match="init_layer_from_target=-1 starts a fresh head.*set one of them"):
+        ws3.cfg(tmp_path / "y", train__init_layer_from_target=-1, train__init_from=final_head(tmp_path / "l", 1))

@@ -145,6 +145,90 @@ def walk_tree(
     return Acceptance(nodes=torch.tensor(nodes, device=tree_tokens.device), tokens=[tokens[n] for n in nodes[1:]] + [y])
 
 
+def walk_tree_sampled(
+    tree_tokens: torch.Tensor,  # [N + 1] node tokens (root included)
+    parents: torch.Tensor,  # [N + 1] parent index, -1 for the root
+    logits: torch.Tensor,  # [N + 1, V] target logits at every tree node
+    draft_probs: dict[int, torch.Tensor],  # node -> [V] the law its token was *sampled* from
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Multi-draft speculative sampling over a tree whose nodes are sampled drafts (with their law q)
+    or deterministic ones (one-hot q), for temperature > 0.
+
+    At each reached node, with p the target's processed law there, the children are tried in order
+    (sampled ones first, then by index): child c with token x is accepted with probability
+    min(1, p(x) / q_c(x)); on rejection p becomes norm(max(p - q_c, 0)) (one-hot q_c: p without x).
+    If every child is rejected the bonus token is drawn from the last p. Each round emits x with
+    probability min(p, q_c)(x) and otherwise continues with the residual, whose mass is exactly the
+    rest of p, so the emitted token follows p whatever the drafts were (Leviathan et al.'s argument,
+    applied round by round); the drafts only decide how often a round accepts. With one-hot drafts
+    only this is `walk_tree`'s law (`multi_draft_reference`); `speculative_sampling_reference` is
+    the literal rule at one node, which tests compare with.
+    """
+    tokens, parent_of = tree_tokens.tolist(), parents.tolist()
+    kids: dict[int, list[int]] = {}
+    for c, par in enumerate(parent_of):
+        if par >= 0:
+            kids.setdefault(par, []).append(c)
+    node, nodes = 0, [0]
+    while True:
+        p = process_logits(logits[node][None], temperature, top_k, top_p)[0].double()  # [V]
+        order = sorted(kids.get(node, []), key=lambda c: (c not in draft_probs, c))
+        chosen = None
+        for c in order:
+            x = tokens[c]
+            q = draft_probs.get(c)
+            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device))
+            if q is None:  # one-hot draft: accept with p(x), else remove x
+                if u < float(p[x]):
+                    chosen = c
+                    break
+                p[x] = 0.0
+            else:
+                q = q.to(p)
+                if u * float(q[x]) < float(p[x]):  # u < min(1, p(x) / q(x)); q(x) > 0: x was drawn from q
+                    chosen = c
+                    break
+                p = (p - q).clamp(min=0.0)
+            total = float(p.sum())
+            if total <= 0.0:  # p == q up to rounding: rejection had probability ~0
+                p = process_logits(logits[node][None], temperature, top_k, top_p)[0].double()
+                total = float(p.sum())
+            p = p / total
+        if chosen is None:
+            y = sample_index(p, generator)
+            break
+        node = chosen
+        nodes.append(node)
+    return Acceptance(nodes=torch.tensor(nodes, device=tree_tokens.device), tokens=[tokens[n] for n in nodes[1:]] + [y])
+
+
+def speculative_sampling_reference(
+    p: torch.Tensor, drafts: list[tuple[int, torch.Tensor | None]], generator: torch.Generator | None = None
+) -> tuple[int | None, int]:
+    """The literal multi-round rule at one node: drafts are (token, q) in the order tried, q None for a
+    one-hot draft. Returns (index of the accepted draft or None, emitted token)."""
+    residual = p.double().clone()
+    for i, (x, q) in enumerate(drafts):
+        residual = residual / residual.sum()
+        qx = torch.zeros_like(residual)
+        if q is None:
+            qx[x] = 1.0
+        else:
+            qx = q.double()
+        accept = min(1.0, float(residual[x]) / float(qx[x]))
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept:
+            return i, x
+        residual = (residual - qx).clamp(min=0.0)
+        if float(residual.sum()) <= 0:
+            residual = p.double().clone()
+    token = int(torch.multinomial(residual.float(), 1, generator=generator))
+    return None, token
+
+
 def accept_tree_reference(tree_tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], list[int]]:
     """Loop version of `accept_tree`: (accepted nodes root first, emitted tokens)."""
     node, nodes = 0, [0]

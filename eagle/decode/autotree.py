@@ -19,7 +19,7 @@ the level's time at the tokens per second the decoder is achieving.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,55 @@ class AutoTreeState:
             return 0.0  # nothing measured yet: draft the configured depth
         tokens_per_s = self.tokens / self.step_s
         return self.level_s * tokens_per_s / self.calibration
+
+
+@dataclass
+class ChainStats:
+    """Running acceptance of sampled chain nodes by depth (`decode.draft_choice=sample`).
+
+    rate[i]: how often the sampled node at depth i + 1 was accepted when its parent was (exponential
+    moving average; prior 0.5 until judged). Sampled drafts are accepted with sum min(p, q), which the
+    head's own probabilities do not give, so the chain length is chosen from these measurements.
+    """
+
+    max_depth: int
+    decay: float = 0.9
+    rate: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rate:
+            self.rate = [0.5] * self.max_depth
+
+    def expected(self) -> list[float]:
+        """Expected accepted chain nodes for chain lengths 0..max_depth."""
+        out, reach, total = [0.0], 1.0, 0.0
+        for r in self.rate:
+            reach *= r
+            total += reach
+            out.append(total)
+        return out
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A chain of `drafted` nodes had its first `accepted` nodes accepted: nodes 1..accepted were
+        hits, node accepted + 1 (if drafted) a miss, deeper ones never judged."""
+        for i in range(min(drafted, accepted + 1)):
+            hit = i < accepted
+            self.rate[i] = self.decay * self.rate[i] + (1 - self.decay) * float(hit)
+
+
+def choose_chain_length(
+    stats: ChainStats, verify_times: dict[int, float], level_s: float, fixed_s: float, max_depth: int
+) -> int:
+    """The chain length k maximising (1 + E[accepted](k)) / (t_verify(k) + k * level_s + fixed_s);
+    `max_depth` until verify passes are timed."""
+    if not verify_times:
+        return max_depth
+    gains = stats.expected()
+
+    def rate(k: int) -> float:
+        return (1.0 + gains[k]) / (verify_time(verify_times, k) + k * level_s + fixed_s)
+
+    return max(range(max_depth + 1), key=rate)
 
 
 def expected_tokens(scores: torch.Tensor, sizes: list[int]) -> list[float]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle.config import DecodeConfig
+from eagle.decode.accept import process_logits, sample_index
 from eagle.decode.cache import cache_length, crop_cache
 from eagle.decode.tree import StaticTree, Tree, reindex_parents, select_dynamic, tree_mask
 from eagle.heads.base import DraftHead
@@ -128,6 +130,58 @@ def tree_from_pool(pool: DraftPool, root_token: int, total_tokens: int) -> Tree:
         parents=torch.cat([torch.tensor([-1], device=device), reindex_parents(kept, pool.parents)]),
         depths=torch.cat([torch.zeros(1, dtype=torch.long, device=device), pool.depths[kept]]),
     )
+
+
+def uses_sampled_drafts(decode: DecodeConfig) -> bool:
+    """`decode.draft_choice`: sampled chains at T > 0 under sample, and under auto unless the tree is
+    static (a static tree is a fixed set of top-k ranks)."""
+    if decode.temperature <= 0:
+        return False
+    return decode.draft_choice == "sample" or (decode.draft_choice == "auto" and decode.tree != "static")
+
+
+@torch.inference_mode()
+def draft_sampled_chain(
+    head: DraftHead,
+    cache,
+    root_token: int,
+    root_hidden: torch.Tensor,  # [H]
+    root_position: int,
+    depth: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tree:
+    """A chain of `depth` tokens, each *sampled* from the head's law q at its parent (after the target's
+    temperature / top-k / top-p), kept with q for speculative-sampling acceptance (`walk_tree_sampled`).
+
+    For T > 0: a sampled draft is accepted with probability sum_x min(p, q)(x), a deterministic top-1
+    draft with p(top-1 of q) only, which for a broad p is much less (README: decode.draft_choice).
+    """
+    committed = cache_length(cache)
+    device = root_hidden.device
+    vocab = head.config.vocab_size
+    to_target = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=device))  # [V_draft]
+    tokens, probs = [root_token], {}
+    hidden = root_hidden[None]  # [1, H] output hidden of the newest node
+    for d in range(depth):
+        if d > 0:  # node d (depth d) attends to the committed prefix, nodes 1..d-1 and itself
+            mask = torch.ones(1, d, dtype=torch.bool, device=device)
+            node_token = torch.tensor([tokens[d]], device=device)
+            hidden = _draft_forward(head, cache, committed, node_token, hidden, root_position + d, mask)
+        logits = head.logits(hidden[None])[0].float()  # [1, V_draft]
+        q_draft = process_logits(logits, temperature, top_k, top_p)[0]  # [V_draft]
+        i = sample_index(q_draft, generator)
+        q = torch.zeros(vocab, dtype=q_draft.dtype, device=device)
+        q[to_target] = q_draft  # [V] the law over target ids (zero outside the draft vocabulary)
+        tokens.append(int(to_target[i]))
+        probs[d + 1] = q
+    crop_cache(cache, committed)
+    n = len(tokens)
+    return Tree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                parents=torch.arange(-1, n - 1, device=device), depths=torch.arange(n, device=device),
+                draft_probs=probs)
 
 
 @torch.inference_mode()

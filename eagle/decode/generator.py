@@ -25,16 +25,25 @@ from typing import Any
 import torch
 
 from eagle.config import DecodeConfig
-from eagle.decode.accept import Acceptance, sample_token, walk_tree
+from eagle.decode.accept import Acceptance, sample_token, walk_tree, walk_tree_sampled
 from eagle.decode.autotree import (
     AutoTreeState,
+    ChainStats,
+    choose_chain_length,
     choose_tree_size,
     expected_tokens,
     time_verify_passes,
     verify_time,
 )
 from eagle.decode.cache import keep_cache_entries
-from eagle.decode.draft import draft_pool, draft_static, head_commit, tree_from_pool
+from eagle.decode.draft import (
+    draft_pool,
+    draft_sampled_chain,
+    draft_static,
+    head_commit,
+    tree_from_pool,
+    uses_sampled_drafts,
+)
 from eagle.decode.lookup import LookupStats, NgramLookup, graft_chain
 from eagle.decode.stopping import StopChecker, eos_ids
 from eagle.decode.target import layer_windows, new_cache, target_forward
@@ -111,6 +120,9 @@ class SpeculativeGenerator:
         self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self._auto = AutoTreeState()
+        self.sampled = uses_sampled_drafts(decode_cfg)
+        self.chain_stats = ChainStats(decode_cfg.tree_depth) if self.sampled else None
+        self._commit_s = 0.0  # running mean of the head's per-step commit time (sampled chain length)
         self.lookup_stats = LookupStats(decode_cfg.lookup_tokens) if decode_cfg.lookup_tokens else None
         self.last_result: GenerationResult | None = None
 
@@ -141,10 +153,22 @@ class SpeculativeGenerator:
 
     def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits: [N + 1, V] from the verify pass
         c = self.cfg
+        if tree.draft_probs:
+            return walk_tree_sampled(tree.tokens, tree.parents, logits, tree.draft_probs, c.temperature, c.top_k,
+                                     c.top_p, generator=self.rng)
         return walk_tree(tree.tokens, tree.parents, logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
 
     def _draft(self, head_cache, root: int, root_hidden: torch.Tensor, root_pos: int):
         c = self.cfg
+        if self.sampled:
+            depth = c.tree_depth
+            if c.tree == "auto":
+                depth = choose_chain_length(self.chain_stats, self.verify_times or {}, self._auto.level_s,
+                                            self._commit_s, c.tree_depth)
+                self._auto.predicted = self.chain_stats.expected()[depth]
+                self._auto.levels = depth
+            return draft_sampled_chain(self.head, head_cache, root, root_hidden, root_pos, depth, c.temperature,
+                                       c.top_k, c.top_p, generator=self.rng)
         if self.static is not None:
             return draft_static(self.head, head_cache, root, root_hidden, root_pos, self.static)
         if c.tree != "auto":
@@ -182,7 +206,8 @@ class SpeculativeGenerator:
 
             g = max(range(g + 1), key=rate)
             n = tree.size + 1 + g
-            grafted = Tree(tokens=grafted.tokens[:n], parents=grafted.parents[:n], depths=grafted.depths[:n])
+            grafted = Tree(tokens=grafted.tokens[:n], parents=grafted.parents[:n], depths=grafted.depths[:n],
+                           draft_probs=grafted.draft_probs)
         return grafted, g
 
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
@@ -235,6 +260,10 @@ class SpeculativeGenerator:
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
             t2 = time.perf_counter()
             acc = self._accept(tree, out.logits)
+            if self.chain_stats is not None:
+                drafted = len(tree.draft_probs)  # chain nodes 1..drafted; grafted nodes come after them
+                on_chain = sum(1 for node in acc.nodes.tolist()[1:] if node <= drafted)
+                self.chain_stats.observe(drafted, on_chain)
             keep_cache_entries(tcache, root_pos, acc.nodes)
             emitted = stop.push(acc.tokens)
             res.tokens += emitted
@@ -265,7 +294,9 @@ class SpeculativeGenerator:
                 m = new.numel()
                 root_hidden = head_commit(self.head, hcache, new, out.features[acc.nodes],
                                           torch.arange(root_pos + 1, root_pos + m + 1, device=self.device))
-            res.timings.draft_s += time.perf_counter() - t0
+            commit_s = time.perf_counter() - t0
+            res.timings.draft_s += commit_s
+            self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s
             root, root_pos = acc.tokens[-1], root_pos + m
         res.stop_reason = stop.reason or "max_new_tokens"
         res.timings.total_s = time.perf_counter() - t_start

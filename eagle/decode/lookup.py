@@ -94,6 +94,7 @@ def graft_chain(tree: Tree, chain: list[int]) -> tuple[Tree, torch.Tensor]:
         tokens=torch.cat([tree.tokens, torch.tensor(new, dtype=torch.long, device=device)]),
         parents=torch.cat([tree.parents, torch.tensor(new_parents, dtype=torch.long, device=device)]),
         depths=torch.cat([tree.depths, torch.arange(depth0, depth0 + len(new), device=device)]),
+        draft_probs=tree.draft_probs,  # existing nodes keep their indices
     )
     return grafted, torch.arange(i, len(chain))
 

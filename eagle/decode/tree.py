@@ -12,7 +12,7 @@ selected from a pool of drafted candidates by cumulative draft log-probability (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class Tree:
     tokens: torch.Tensor  # [N + 1] target token ids (root included)
     parents: torch.Tensor  # [N + 1] parent index, -1 for the root
     depths: torch.Tensor  # [N + 1] 0 for the root
+    # Nodes whose token was sampled from the head (decode.draft_choice=sample): node -> [V] the law it
+    # was drawn from, which acceptance needs (`walk_tree_sampled`). Other nodes are deterministic drafts.
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:

@@ -217,6 +217,10 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
         out["auto_candidates"] = list(decode.auto_candidates)
     if decode.lookup_tokens:
         out.update(lookup_tokens=decode.lookup_tokens, lookup_ngram=[decode.lookup_min_ngram, decode.lookup_max_ngram])
+    if decode.temperature > 0:  # what the head's drafts are (at T=0 always its top-k)
+        from eagle.decode.draft import uses_sampled_drafts
+
+        out["draft_choice"] = "sample (chain)" if uses_sampled_drafts(decode) else "topk"
     return out
 
 

@@ -127,6 +127,12 @@ class DraftHead(nn.Module, ABC):
                          special_ids: Sequence[int] | None) -> None:
         """Initialisation that depends on the target or the data (`build_head`); none by default."""
 
+    def start_from_target_layer(self, target_layer: nn.Module) -> list[str]:
+        """Start the head's decoder layer (and its input projection) from a target decoder layer
+        (`train.init_layer_from_target`, `eagle.heads.target_layer`); returns the target parameter
+        names left out."""
+        raise NotImplementedError(f"{type(self).__name__} has no decoder layer to start from a target layer")
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
         d2t = getattr(self, "d2t", None)

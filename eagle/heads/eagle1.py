@@ -18,6 +18,7 @@ from torch import nn
 
 from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RotaryEmbedding
+from eagle.heads.target_layer import copy_target_layer
 
 
 @register_head
@@ -56,6 +57,18 @@ class Eagle1Head(DraftHead):
 
     def feature_layer_ids(self) -> list[int]:
         return [-1]
+
+    def start_from_target_layer(self, target_layer: nn.Module) -> list[str]:
+        """The decoder layer from `target_layer` (`copy_target_layer`), and `fc` as a pass-through of
+        the target feature (embedding half and bias zero), so the copied layer starts on the target's
+        own state."""
+        left = copy_target_layer(self.layers[0], target_layer)
+        h = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()  # [H, 2H]: cat(embed, feature)
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+            self.fc.bias.zero_()
+        return left
 
     # --- the four steps ------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 from eagle.config import ConfigError
 from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from eagle.heads.target_layer import copy_target_layer
 from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,18 @@ class Eagle3Head(DraftHead):
                 with torch.no_grad():
                     rows = out.weight[: cfg.vocab_size][self.t2d.to(out.weight.device)]  # [Vd, H]
                     self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+
+    def start_from_target_layer(self, target_layer: nn.Module) -> list[str]:
+        """The decoder layer from `target_layer` (`copy_target_layer`), and `fc` as a pass-through of
+        the last (highest) aux layer: the copied layer then starts on the residual stream it was made
+        for, not on a random mix of three layers."""
+        left = copy_target_layer(self.midlayer, target_layer)
+        h, ht, k = self.config.hidden_size, self.config.target_hidden_size, len(self.config.aux_layer_ids)
+        if h == ht:
+            with torch.no_grad():
+                self.fc.weight.zero_()  # [H, k * Ht]
+                self.fc.weight[:, (k - 1) * ht:].copy_(torch.eye(h))
+        return left
 
     # --- the four steps ------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

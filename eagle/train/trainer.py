@@ -182,6 +182,8 @@ class TrainRecipe:
         head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(self.device)
         if t.init_from and self.resume_from is None:
             self._warm_start(head, target)
+        if t.init_layer_from_target is not None and self.resume_from is None:
+            self._start_from_target_layer(head, target, t.init_layer_from_target)
         head.train()
         self.lm_head = target.get_output_embeddings()
         self.params = [p for p in head.parameters() if p.requires_grad]
@@ -226,6 +228,16 @@ class TrainRecipe:
         if acc.is_main_process and self.resume_from is not None:
             self.tracker.write(f"eagle-train: resumed from {self.resume_from} (step {self.state.step}, epoch "
                                f"{self.state.epoch}, item {self.state.index})")
+
+    def _start_from_target_layer(self, head: DraftHead, target: nn.Module, index: int) -> None:
+        """`train.init_layer_from_target`: the fresh head's decoder layer from a target layer."""
+        from eagle.heads.target_layer import pick_target_layer
+
+        layer_id, layer = pick_target_layer(target, index)
+        left = head.start_from_target_layer(layer)
+        if self.accelerator.is_main_process:
+            print(f"eagle-train: decoder layer initialised from the target's layer {layer_id}"
+                  + (f" (left out: {', '.join(left)})" if left else ""))
 
     def _warm_start(self, head: DraftHead, target: nn.Module) -> None:
         """Copy the weights (and vocab maps) of `train.init_from` into the freshly built `head`."""
