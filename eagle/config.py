@@ -190,7 +190,8 @@ class DecodeConfig:
     # How the head picks draft tokens: topk = its most likely tokens (EAGLE-2 trees, the only choice at
     # T=0); sample = a chain drawn from its law q, accepted by speculative sampling with probability
     # sum min(p, q) instead of p(top-1) (T > 0 only; tree=auto picks the chain length from measured
-    # acceptance); auto = sample at T > 0 (except for a static tree), topk at T = 0.
+    # acceptance; tree=dynamic: a chain of tree_depth); auto = sample at T > 0 (except for a static tree),
+    # topk at T = 0.
     draft_choice: str = "auto"
 
 
