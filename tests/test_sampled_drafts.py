@@ -8,9 +8,10 @@ import torch
 from eagle.cli.app import compose
 from eagle.config import ConfigError
 from eagle.decode.accept import process_logits, speculative_sampling_reference, walk_tree_sampled
-from eagle.decode.autotree import ChainStats, choose_chain_length
+from eagle.decode.autotree import choose_chain_length, expected_chain_tokens
 from eagle.decode.cache import cache_length
 from eagle.decode.draft import draft_sampled_chain, head_commit
+from eagle.decode.lookup import LookupStats
 from eagle.decode.target import new_cache
 from tests.support.decode import random_head
 from tests.test_accept import _sampled_law_check, chi2_ok
@@ -113,14 +114,14 @@ def test_chain_laws_are_the_heads_own_at_each_node():
 
 
 def test_chain_stats_and_length_choice():
-    stats = ChainStats(3)
-    assert stats.expected() == [0.0, 0.5, 0.75, 0.875]
+    stats = LookupStats(3)
+    assert expected_chain_tokens(stats, 3) == [0.0, 0.5, 0.75, 0.875]
     for _ in range(50):
-        stats.observe(3, 0)  # the first node always rejected
+        stats.observe([5, 6, 7], [9])  # the first node always rejected (the bonus token is another)
     assert stats.rate[0] < 0.01 and stats.rate[1:] == [0.5, 0.5]  # deeper nodes never judged
     times = {1: 0.10, 2: 0.10, 4: 0.11}
     assert choose_chain_length(stats, times, level_s=0.01, fixed_s=0.0, max_depth=3) == 0
-    good = ChainStats(3, rate=[0.9, 0.9, 0.9])
+    good = LookupStats(3, rate=[0.9, 0.9, 0.9])
     assert choose_chain_length(good, times, level_s=0.005, fixed_s=0.0, max_depth=3) == 3
     assert choose_chain_length(good, times, level_s=0.2, fixed_s=0.0, max_depth=3) == 0  # levels too dear
     assert choose_chain_length(good, {}, level_s=0.0, fixed_s=0.0, max_depth=3) == 3  # untimed: full depth

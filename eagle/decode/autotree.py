@@ -19,12 +19,13 @@ the level's time at the tokens per second the decoder is achieving.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from eagle.decode.cache import crop_cache
+from eagle.decode.lookup import LookupStats
 from eagle.decode.target import new_cache, target_forward
 
 
@@ -61,48 +62,21 @@ class AutoTreeState:
         return self.level_s * tokens_per_s / self.calibration
 
 
-@dataclass
-class ChainStats:
-    """Running acceptance of sampled chain nodes by depth (`decode.draft_choice=sample`).
-
-    rate[i]: how often the sampled node at depth i + 1 was accepted when its parent was (exponential
-    moving average; prior 0.5 until judged). Sampled drafts are accepted with sum min(p, q), which the
-    head's own probabilities do not give, so the chain length is chosen from these measurements.
-    """
-
-    max_depth: int
-    decay: float = 0.9
-    rate: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.rate:
-            self.rate = [0.5] * self.max_depth
-
-    def expected(self) -> list[float]:
-        """Expected accepted chain nodes for chain lengths 0..max_depth."""
-        out, reach, total = [0.0], 1.0, 0.0
-        for r in self.rate:
-            reach *= r
-            total += reach
-            out.append(total)
-        return out
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A chain of `drafted` nodes had its first `accepted` nodes accepted: nodes 1..accepted were
-        hits, node accepted + 1 (if drafted) a miss, deeper ones never judged."""
-        for i in range(min(drafted, accepted + 1)):
-            hit = i < accepted
-            self.rate[i] = self.decay * self.rate[i] + (1 - self.decay) * float(hit)
+def expected_chain_tokens(rates: LookupStats, max_depth: int) -> list[float]:
+    """Expected accepted nodes of a chain of length 0..max_depth from its measured acceptance by
+    position (`LookupStats`, here for the head's sampled draft chains: their nodes are accepted with
+    sum min(p, q), which the head's own probabilities do not give)."""
+    return [0.0, *rates.expected(torch.arange(max_depth))]
 
 
 def choose_chain_length(
-    stats: ChainStats, verify_times: dict[int, float], level_s: float, fixed_s: float, max_depth: int
+    rates: LookupStats, verify_times: dict[int, float], level_s: float, fixed_s: float, max_depth: int
 ) -> int:
     """The chain length k maximising (1 + E[accepted](k)) / (t_verify(k) + k * level_s + fixed_s);
     `max_depth` until verify passes are timed."""
     if not verify_times:
         return max_depth
-    gains = stats.expected()
+    gains = expected_chain_tokens(rates, max_depth)
 
     def rate(k: int) -> float:
         return (1.0 + gains[k]) / (verify_time(verify_times, k) + k * level_s + fixed_s)

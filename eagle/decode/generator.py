@@ -28,9 +28,9 @@ from eagle.config import DecodeConfig
 from eagle.decode.accept import Acceptance, sample_token, walk_tree, walk_tree_sampled
 from eagle.decode.autotree import (
     AutoTreeState,
-    ChainStats,
     choose_chain_length,
     choose_tree_size,
+    expected_chain_tokens,
     expected_tokens,
     time_verify_passes,
     verify_time,
@@ -121,7 +121,7 @@ class SpeculativeGenerator:
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self._auto = AutoTreeState()
         self.sampled = uses_sampled_drafts(decode_cfg)
-        self.chain_stats = ChainStats(decode_cfg.tree_depth) if self.sampled else None
+        self.chain_stats = LookupStats(decode_cfg.tree_depth) if self.sampled else None  # sampled chains
         self._commit_s = 0.0  # running mean of the head's per-step commit time (sampled chain length)
         self.lookup_stats = LookupStats(decode_cfg.lookup_tokens) if decode_cfg.lookup_tokens else None
         self.last_result: GenerationResult | None = None
@@ -165,7 +165,7 @@ class SpeculativeGenerator:
             if c.tree == "auto":
                 depth = choose_chain_length(self.chain_stats, self.verify_times or {}, self._auto.level_s,
                                             self._commit_s, c.tree_depth)
-                self._auto.predicted = self.chain_stats.expected()[depth]
+                self._auto.predicted = expected_chain_tokens(self.chain_stats, depth)[depth]
                 self._auto.levels = depth
             return draft_sampled_chain(self.head, head_cache, root, root_hidden, root_pos, depth, c.temperature,
                                        c.top_k, c.top_p, generator=self.rng)
@@ -260,10 +260,8 @@ class SpeculativeGenerator:
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
             t2 = time.perf_counter()
             acc = self._accept(tree, out.logits)
-            if self.chain_stats is not None:
-                drafted = len(tree.draft_probs)  # chain nodes 1..drafted; grafted nodes come after them
-                on_chain = sum(1 for node in acc.nodes.tolist()[1:] if node <= drafted)
-                self.chain_stats.observe(drafted, on_chain)
+            if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
+                self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
             keep_cache_entries(tcache, root_pos, acc.nodes)
             emitted = stop.push(acc.tokens)
             res.tokens += emitted

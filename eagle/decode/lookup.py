@@ -104,7 +104,9 @@ class LookupStats:
     """Running acceptance of proposed chains by chain position (exponential moving averages).
 
     rate[i]: how often chain token i was the target's token when chain tokens 0..i-1 were. The prior
-    (0.5) stands until proposals have been judged.
+    (0.5) stands until proposals have been judged. The head's sampled draft chains
+    (`decode.draft_choice=sample`) are measured with it too: a sampled node is emitted exactly when it
+    is accepted (a rejected x has p(x) < q(x), so the residual holds none of it).
     """
 
     max_tokens: int
