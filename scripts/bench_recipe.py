@@ -7,9 +7,10 @@ same wall-clock budget, held-out acc@k / tau_sim at the end. All in one process,
 With --json the file is rewritten after every variant; the same command run again skips the variants
 it already holds (same budget, capture and overrides), so a study can span sessions.
 
-Each variant first runs a short probe (`--probe-steps`, discarded) to measure its seconds per step,
-then trains with `train.max_steps` = what fits the budget (so the warm-up + cosine schedule ends
-when the budget does) and `train.max_minutes` as the hard stop. Variants that cost more per step
+Each variant first runs a short probe (`--probe-steps`, discarded) to measure its seconds per step
+and per held-out batch, then trains with `train.max_steps` = what fits the budget after the untrained
+held-out evaluation (so the warm-up + cosine schedule ends when the budget does) and
+`train.max_minutes` as the hard stop; it is evaluated once more at the end, outside the budget. Variants that cost more per step
 (longer TTT unroll, larger draft vocabulary) get fewer steps: that is the trade being measured.
 The held-out figures are on the capture's held-out split (`--eval-batches` x batch 2 conversations).
 
@@ -57,7 +58,8 @@ def _train(overrides: list[str]):
     return train(compose(overrides))
 
 
-def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_steps: int) -> dict:
+def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_steps: int,
+                eval_batches: int) -> dict:
     extra = VARIANTS[name]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     probe = _train(base + extra + [f"output_dir={work / f'probe-{name}-{stamp}'}", f"train.max_steps={probe_steps}",
@@ -65,18 +67,21 @@ def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_st
                                    "train.eval_batches=1", "train.warmup_steps=1"])
     loop = sum(v for k, v in probe.timings.items() if k in ("data", "forward_backward", "optimizer"))
     s_per_step = max(loop, 1e-3) / max(probe.step, 1)
-    # The budget also pays for held-out evaluations and checkpoints (~5% at these cadences).
-    steps = max(10, int(0.95 * 60.0 * minutes / s_per_step))
-    cadence = max(10, steps // 10)
+    s_eval_batch = probe.timings.get("eval", 0.0) / 2  # the probe evaluated 1 batch before and 1 after training
+    # The budget pays for the steps, the untrained held-out evaluation at the start and ~3% of setup and
+    # checkpoints; the final evaluation runs after the deadline. Held-out evaluations in between would
+    # take budget from training (10 of them took a third of it), so there are none: the result is the
+    # head at the end of its schedule, which ends when the budget does.
+    steps = max(10, int((0.97 * 60.0 * minutes - eval_batches * s_eval_batch) / s_per_step))
     t0 = time.perf_counter()
     result = _train(base + extra + [f"output_dir={work / f'{name}-{stamp}'}", f"train.max_steps={steps}",
-                                    f"train.max_minutes={minutes}", f"train.eval_every={cadence}",
-                                    f"train.save_every={cadence}", "train.resume=false"])
+                                    f"train.max_minutes={minutes}", f"train.eval_every={steps}",
+                                    f"train.save_every={max(10, steps // 4)}", "train.resume=false"])
     m = result.eval_metrics
-    return {"variant": name, "overrides": extra, "s_per_step_probe": s_per_step, "planned_steps": steps,
-            "steps": result.step, "stopped": result.stopped, "wall_s": time.perf_counter() - t0,
-            "tokens_per_s": result.train_metrics.get("tokens_per_s"), "heldout": m,
-            "best_tau_sim": result.best_metric, "best_step": result.best_step}
+    return {"variant": name, "overrides": extra, "s_per_step_probe": s_per_step, "s_eval_batch_probe": s_eval_batch,
+            "planned_steps": steps, "steps": result.step, "stopped": result.stopped,
+            "wall_s": time.perf_counter() - t0, "tokens_per_s": result.train_metrics.get("tokens_per_s"),
+            "timings": result.timings, "heldout": m, "best_tau_sim": result.best_metric, "best_step": result.best_step}
 
 
 def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
@@ -84,8 +89,9 @@ def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
     if path is None or not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base")):
-        print(f"{path}: another budget, capture or base settings; measuring every variant again", flush=True)
+    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base", "accounting")):
+        print(f"{path}: another budget, capture, base settings or budget accounting; measuring every variant "
+              "again", flush=True)
         return {}
     return {r["variant"]: r for r in old.get("runs", [])}
 
@@ -110,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
     base = [f"recipe={args.recipe}", f"train.data_dir={args.capture}", f"train.eval_batches={args.eval_batches}",
             "train.log_every=10", *args.overrides]
-    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "runs": []}
+    # accounting 2: no held-out evaluations inside the budget but the untrained one (the first studies
+    # evaluated 10 times, which took 30-50% of each variant's budget); rows of another accounting are
+    # not comparable and are measured again.
+    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 2, "runs": []}
     done = _finished_runs(args.json, report)
     rows = []
     for name in variants:
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: reusing the finished run in {args.json}", flush=True)
             rows.append(done[name])
         else:
-            rows.append(run_variant(name, base, work, args.minutes, args.probe_steps))
+            rows.append(run_variant(name, base, work, args.minutes, args.probe_steps, args.eval_batches))
             print(json.dumps(rows[-1], default=str), flush=True)  # each variant's result as soon as it exists
         if args.json:  # written after every variant, so a stopped study keeps what it measured
             report["runs"] = rows + [r for n, r in done.items() if n not in variants]

@@ -109,3 +109,44 @@ def test_gradients_flow_through_all_steps(head_and_target):
     head.logits(outs[-1]).sum().backward()  # only the last step: its gradient reaches fc via the chain
     assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
     head.zero_grad()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 4), st.sampled_from([(2, 2), (4, 2), (6, 3)]), st.data())
+def test_chain_attention_equals_dense_masked_attention(T, depth, heads, data):
+    """The structured TTT attention (prefix block + chain keys) against SDPA over the dense mask it
+    stands for: outputs and gradients of q, k, v, with padding, GQA and every depth."""
+    import torch.nn.functional as F
+
+    from eagle.algorithms.ttt import ttt_chain_mask
+    from eagle.heads.layers import chain_attention
+
+    nh, nkv = heads
+    rows = data.draw(st.lists(st.lists(st.integers(0, 1), min_size=T, max_size=T), min_size=1, max_size=3))
+    am = torch.tensor(rows)
+    g = torch.Generator().manual_seed(T * 100 + depth)
+    b, d = am.shape[0], 8
+    q = torch.randn(b, nh, T, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, nkv, (depth + 1) * T, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, nkv, (depth + 1) * T, d, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = ttt_chain_mask(am, depth)
+    assert torch.equal(mask.dense(), reference_ttt_mask(T, depth + 1, depth, am))
+    out = chain_attention(q, k, v, mask)
+    rep = nh // nkv
+    dense = mask.dense() | ~mask.dense().any(-1, keepdim=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=dense)
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r)
+
+
+def test_chain_attention_refuses_a_cache_of_another_depth():
+    from eagle.algorithms.ttt import ttt_chain_mask
+    from eagle.heads.layers import chain_attention
+
+    q, kv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 8)  # 2 x T keys: depth 1, not 2
+    with pytest.raises(ValueError, match="depth 2 needs 12 keys, got 8"):
+        chain_attention(q, kv, kv, ttt_chain_mask(torch.ones(1, 4), 2))

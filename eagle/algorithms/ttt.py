@@ -11,7 +11,9 @@ as the next step's hidden state. TTT reproduces that in one batched pass per ste
 That is exactly what a decoder sees when it drafts i tokens after the prefix ending at t, so the
 unrolled step-i output at index t equals an explicit decoding loop (tested in tests/test_ttt.py).
 Keys of all steps are concatenated in a `transformers.DynamicCache`: at step i it holds
-(i + 1) x T keys ordered [step 0 | step 1 | ... | step i].
+(i + 1) x T keys ordered [step 0 | step 1 | ... | step i]. The head sees that pattern as an
+`UnrolledChainMask` (prefix block + chain keys), not as the dense `ttt_mask`, which would make step i
+cost (i + 1)x step 0 in attention although each query has only i keys beyond the prefix.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from eagle.algorithms.losses import shift_left
 from eagle.heads.base import DraftHead
+from eagle.heads.layers import UnrolledChainMask
 
 
 def reference_ttt_mask(T: int, steps: int, i: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,15 +45,19 @@ def reference_ttt_mask(T: int, steps: int, i: int, attention_mask: torch.Tensor 
     return mask
 
 
-def ttt_mask(attention_mask: torch.Tensor, i: int) -> torch.Tensor:
-    """Vectorised `reference_ttt_mask`: attention_mask [B, T] -> bool [B, 1, T, (i + 1) * T]."""
+def ttt_chain_mask(attention_mask: torch.Tensor, i: int) -> UnrolledChainMask:
+    """Step i's mask as the head's attention takes it: attention_mask [B, T] -> step-0 prefix block
+    [B, 1, T, T] (causal over real tokens, plus each query's own key) and i chain keys."""
     valid = attention_mask.to(torch.bool)
-    b, t = valid.shape
+    t = valid.shape[1]
     eye = torch.eye(t, dtype=torch.bool, device=valid.device)  # [T, T]
     causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()  # [T(q), T(k)]
-    step0 = (causal[None] & valid[:, None, :]) | eye[None]  # [B, T, T]
-    blocks = [step0] + [eye[None].expand(b, t, t)] * i
-    return torch.cat(blocks, dim=-1)[:, None]  # [B, 1, T, (i+1)T]
+    return UnrolledChainMask(prefix=((causal[None] & valid[:, None, :]) | eye[None])[:, None], depth=i)
+
+
+def ttt_mask(attention_mask: torch.Tensor, i: int) -> torch.Tensor:
+    """Vectorised `reference_ttt_mask`: attention_mask [B, T] -> bool [B, 1, T, (i + 1) * T]."""
+    return ttt_chain_mask(attention_mask, i).dense()
 
 
 def ttt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -82,9 +89,10 @@ def ttt_forward(
     base_pos = ttt_position_ids(attention_mask) if position_ids is None else position_ids
     cache = DynamicCache()
     hidden, outs = hidden0, []
+    prefix = ttt_chain_mask(attention_mask, 0).prefix  # [B, 1, T, T], the same at every step
     for i in range(steps):
         ids = shift_left(input_ids, i, pad_token_id)  # [B, T]
-        mask = ttt_mask(attention_mask, i)  # [B, 1, T, (i+1)T]
+        mask = UnrolledChainMask(prefix, depth=i)  # the keys of ttt_mask(attention_mask, i)
         hidden = head(ids, hidden, base_pos + i, attention_mask=mask, past_key_values=cache)  # [B, T, H]
         outs.append(hidden)
     return outs

@@ -5,11 +5,13 @@ numbers. Parameter names follow Llama (`self_attn.q_proj`, `mlp.gate_proj`, ...)
 exporter maps them 1:1 onto vLLM / SGLang draft models.
 
 Attention masks follow `eagle.heads.base`: boolean, True = may attend, [B, 1, T_query, T_key];
-None = causal over (cache + new tokens).
+None = causal over (cache + new tokens). Training-time test passes an `UnrolledChainMask` instead: the
+same attention, computed without the mostly-empty key blocks its dense mask would describe.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,6 +110,62 @@ def causal_mask(q_len: int, past_len: int, device: torch.device) -> torch.Tensor
     return (k_idx[None, :] <= q_idx[:, None])[None, None]
 
 
+@dataclass(frozen=True)
+class UnrolledChainMask:
+    """Attention of training-time-test step `depth` (`eagle.algorithms.ttt`), kept structured.
+
+    The cache holds (depth + 1) x T keys, [step 0 | step 1 | ... | step depth]. Query t may attend
+    the step-0 keys that `prefix` allows and, of each later step's T keys, only key t (its own
+    draft chain). As a dense mask that is [B, 1, T, (depth + 1) T] with all but T + depth entries
+    of a row False, and attention over it costs (depth + 1)x a step-0 pass; `chain_attention`
+    computes the prefix block as one [T, T] product and the chain keys as `depth` dot products.
+    """
+
+    prefix: torch.Tensor  # bool [B, 1, T, T]: step-0 keys each query may attend
+    depth: int  # chain keys per query after the prefix block
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as a dense bool [B, 1, T, (depth + 1) T] (the definition)."""
+        t = self.prefix.shape[-1]
+        eye = torch.eye(t, dtype=torch.bool, device=self.prefix.device).expand_as(self.prefix)
+        return torch.cat([self.prefix] + [eye] * self.depth, dim=-1)
+
+
+def chain_attention(
+    q: torch.Tensor,  # [B, nh, T, D]
+    k: torch.Tensor,  # [B, nkv, (depth + 1) T, D]
+    v: torch.Tensor,  # [B, nkv, (depth + 1) T, D]
+    mask: UnrolledChainMask,
+) -> torch.Tensor:
+    """Softmax attention under `mask`, equal to SDPA with `mask.dense()`; returns [B, nh, T, D].
+
+    GQA query heads are grouped onto their kv head instead of copying keys. Scores are softmaxed in
+    float32 (as SDPA accumulates), so bf16 autocast gives the same result as the dense path.
+    """
+    b, nh, t, d = q.shape
+    nkv, depth = k.shape[1], mask.depth
+    if k.shape[-2] != (depth + 1) * t:
+        raise ValueError(f"UnrolledChainMask of depth {depth} needs {(depth + 1) * t} keys, got {k.shape[-2]}")
+    scale = d**-0.5
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax dtype: float32, or float64 when given
+    qg = q.reshape(b, nkv, nh // nkv, t, d)  # [B, nkv, rep, T, D]
+    k0, v0 = k[:, :, None, :t], v[:, :, None, :t]  # [B, nkv, 1, T, D] step-0 keys
+    prefix = mask.prefix.to(torch.bool)
+    prefix = (prefix | ~prefix.any(-1, keepdim=True))[:, :, None]  # [B, 1, 1, T, T]; never an empty row
+    scores = (qg @ k0.transpose(-1, -2)).to(acc) * scale  # [B, nkv, rep, T, T]
+    scores = scores.masked_fill(~prefix, float("-inf"))
+    if depth:
+        kc = k[:, :, t:].reshape(b, nkv, depth, t, d)  # [B, nkv, depth, T, D] chain keys
+        chain = torch.einsum("bgrtd,bgjtd->bgrtj", qg, kc).to(acc) * scale  # [B, nkv, rep, T, depth]
+        scores = torch.cat((scores, chain), dim=-1)  # [B, nkv, rep, T, T + depth]
+    p = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = p[..., :t] @ v0  # [B, nkv, rep, T, D]
+    if depth:
+        vc = v[:, :, t:].reshape(b, nkv, depth, t, d)
+        out = out + torch.einsum("bgrtj,bgjtd->bgrtd", p[..., t:], vc)
+    return out.reshape(b, nh, t, d)
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and an optional `transformers.Cache`.
 
@@ -134,7 +192,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, Din]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        attention_mask: torch.Tensor | None = None,  # bool [B, 1, T, T_past + T]
+        attention_mask: torch.Tensor | UnrolledChainMask | None = None,  # bool [B, 1, T, T_past + T]
         past_key_values: Any | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -146,6 +204,9 @@ class Attention(nn.Module):
         if past_key_values is not None:
             past_len = past_key_values.get_seq_length(0)
             k, v = past_key_values.update(k, v, 0)  # [B, nkv, T_past + T, D]
+        if isinstance(attention_mask, UnrolledChainMask):
+            out = chain_attention(q, k, v, attention_mask)  # [B, nh, T, D]
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
         is_causal = False
         if attention_mask is None:
             # No cache: SDPA's built-in causal path; with a cache the queries sit after past_len keys.
