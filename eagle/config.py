@@ -129,6 +129,11 @@ class TrainConfig:
     # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
     # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.
     max_minutes: float | None = None
+    # What the lr decay runs over after warm-up: steps (to max_steps) | minutes (to max_minutes of the
+    # run's wall time, setup included: a fixed time budget whose step count is not known in advance,
+    # e.g. scripts/bench_recipe.py). In `minutes` max_minutes is the whole run's budget: a resumed run
+    # continues the clock of its checkpoint. Wall time is not reproducible, so neither is the lr path.
+    schedule_over: str = "steps"
     batch_size: int = 4  # conversations per optimizer step (global, before accumulation split)
     grad_accum: int = 1
     max_length: int = 2048  # tokens per training sequence
@@ -319,6 +324,10 @@ def validate(cfg: RootConfig) -> RootConfig:
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     if t.max_minutes is not None and not t.max_minutes > 0:
         raise ConfigError(f"train.max_minutes={t.max_minutes} must be > 0 (or null for no limit)")
+    _choice("train.schedule_over", t.schedule_over, ("steps", "minutes"))
+    if t.schedule_over == "minutes" and t.max_minutes is None:
+        raise ConfigError("train.schedule_over=minutes decays the lr over train.max_minutes: set train.max_minutes "
+                          "(or schedule_over=steps)")
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     if t.init_layer_from_target is not None and t.init_from:

@@ -7,11 +7,11 @@ same wall-clock budget, held-out acc@k / tau_sim at the end. All in one process,
 With --json the file is rewritten after every variant; the same command run again skips the variants
 it already holds (same budget, capture and overrides), so a study can span sessions.
 
-Each variant first runs a short probe (`--probe-steps`, discarded) to measure its seconds per step
-and per held-out batch, then trains with `train.max_steps` = what fits the budget after the untrained
-held-out evaluation (so the warm-up + cosine schedule ends when the budget does) and
-`train.max_minutes` as the hard stop; it is evaluated once more at the end, outside the budget. Variants that cost more per step
-(longer TTT unroll, larger draft vocabulary) get fewer steps: that is the trade being measured.
+Each variant trains for the budget's wall time with its lr schedule spread over those minutes
+(`train.schedule_over=minutes`: warm-up, then the cosine decay ends when the budget does), starting
+with the untrained held-out evaluation (inside the budget) and evaluated once more at the end (after
+it). Variants that cost more per step (longer TTT unroll, larger draft vocabulary) get fewer steps:
+that is the trade being measured.
 The held-out figures are on the capture's held-out split (`--eval-batches` x batch 2 conversations).
 
 `old` is the recipe before the training issue (float32, random batches, no EAGLE-3.1 norms); `recipe`
@@ -58,28 +58,18 @@ def _train(overrides: list[str]):
     return train(compose(overrides))
 
 
-def run_variant(name: str, base: list[str], work: Path, minutes: float, probe_steps: int,
-                eval_batches: int) -> dict:
+def run_variant(name: str, base: list[str], work: Path, minutes: float) -> dict:
     extra = VARIANTS[name]
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    probe = _train(base + extra + [f"output_dir={work / f'probe-{name}-{stamp}'}", f"train.max_steps={probe_steps}",
-                                   f"train.eval_every={10 * probe_steps}", f"train.save_every={10 * probe_steps}",
-                                   "train.eval_batches=1", "train.warmup_steps=1"])
-    loop = sum(v for k, v in probe.timings.items() if k in ("data", "forward_backward", "optimizer"))
-    s_per_step = max(loop, 1e-3) / max(probe.step, 1)
-    s_eval_batch = probe.timings.get("eval", 0.0) / 2  # the probe evaluated 1 batch before and 1 after training
-    # The budget pays for the steps, the untrained held-out evaluation at the start and ~3% of setup and
-    # checkpoints; the final evaluation runs after the deadline. Held-out evaluations in between would
-    # take budget from training (10 of them took a third of it), so there are none: the result is the
-    # head at the end of its schedule, which ends when the budget does.
-    steps = max(10, int((0.97 * 60.0 * minutes - eval_batches * s_eval_batch) / s_per_step))
+    # The lr decays over the budget's wall time (train.schedule_over=minutes), so every variant ends its
+    # schedule when its minutes end, whatever its step time; max_steps only caps. The budget includes
+    # setup and the untrained held-out evaluation; the final evaluation runs after it.
     t0 = time.perf_counter()
-    result = _train(base + extra + [f"output_dir={work / f'{name}-{stamp}'}", f"train.max_steps={steps}",
-                                    f"train.max_minutes={minutes}", f"train.eval_every={steps}",
-                                    f"train.save_every={max(10, steps // 4)}", "train.resume=false"])
+    result = _train(base + extra + [f"output_dir={work / f'{name}-{stamp}'}", "train.max_steps=1000000",
+                                    f"train.max_minutes={minutes}", "train.schedule_over=minutes",
+                                    "train.eval_every=1000000", "train.save_every=50", "train.resume=false"])
     m = result.eval_metrics
-    return {"variant": name, "overrides": extra, "s_per_step_probe": s_per_step, "s_eval_batch_probe": s_eval_batch,
-            "planned_steps": steps, "steps": result.step, "stopped": result.stopped,
+    return {"variant": name, "overrides": extra, "steps": result.step, "stopped": result.stopped,
             "wall_s": time.perf_counter() - t0, "tokens_per_s": result.train_metrics.get("tokens_per_s"),
             "timings": result.timings, "heldout": m, "best_tau_sim": result.best_metric, "best_step": result.best_step}
 
@@ -101,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture", type=Path, required=True, help="an eagle-capture output_dir (recipe settings)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget per variant")
     p.add_argument("--variants", default="old,recipe", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--probe-steps", type=int, default=8)
     p.add_argument("--eval-batches", type=int, default=24)
     p.add_argument("--recipe", default="smollm2-135m-instruct")
     p.add_argument("--workdir", type=Path, default=None)
@@ -116,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
     base = [f"recipe={args.recipe}", f"train.data_dir={args.capture}", f"train.eval_batches={args.eval_batches}",
             "train.log_every=10", *args.overrides]
-    # accounting 2: no held-out evaluations inside the budget but the untrained one (the first studies
-    # evaluated 10 times, which took 30-50% of each variant's budget); rows of another accounting are
-    # not comparable and are measured again.
-    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 2, "runs": []}
+    # accounting 3: the lr decays over the budget's minutes and the only held-out evaluation inside it is
+    # the untrained one. Earlier studies planned max_steps from a short probe (off by up to 1.6x, so a
+    # schedule ended early or was cut) and evaluated 10 times (30-50% of a budget); rows of another
+    # accounting are not comparable and are measured again.
+    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 3, "runs": []}
     done = _finished_runs(args.json, report)
     rows = []
     for name in variants:
@@ -127,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: reusing the finished run in {args.json}", flush=True)
             rows.append(done[name])
         else:
-            rows.append(run_variant(name, base, work, args.minutes, args.probe_steps, args.eval_batches))
+            rows.append(run_variant(name, base, work, args.minutes))
             print(json.dumps(rows[-1], default=str), flush=True)  # each variant's result as soon as it exists
         if args.json:  # written after every variant, so a stopped study keeps what it measured
             report["runs"] = rows + [r for n, r in done.items() if n not in variants]
@@ -139,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         m = r["heldout"] or {}
         ratio = (f"{m['acc_0'] / old['heldout']['acc_0']:.2f}x"
                  if old and old["heldout"] and old["heldout"].get("acc_0") and "acc_0" in m else "-")
-        print(f"{r['variant']:<14} {r['steps']:5d}  {r['s_per_step_probe']:6.2f}  {r['tokens_per_s'] or 0:5.0f}  "
+        print(f"{r['variant']:<14} {r['steps']:5d}  {r['wall_s'] / max(r['steps'], 1):6.2f}  {r['tokens_per_s'] or 0:5.0f}  "
               f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
               f"  {m.get('tau_sim', float('nan')):7.3f}  {ratio}")
     return 0

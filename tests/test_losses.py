@@ -125,3 +125,52 @@ def test_draft_vocab_label_rows_give_the_full_vocab_loss():
     g_got = torch.autograd.grad(got.loss, step_logits)
     for a, c in zip(g_ref, g_got, strict=True):
         torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle1"])
+def test_forward_loss_on_loss_positions_equals_the_dense_reference(algorithm):
+    """forward_loss computes the head's and the target's logits only where a step's loss reads them;
+    the objective, per-step sums and gradients equal the plain reference over dense [B, T, V] logits."""
+    from eagle.algorithms import get_algorithm
+    from eagle.algorithms.base import LossSettings, aligned_inputs
+    from eagle.algorithms.ttt import ttt_forward
+    from eagle.config import DraftConfig
+    from eagle.heads import build_head, head_config_from_target
+    from tests.tiny_models import make_model
+
+    model, _ = make_model("llama")
+    cfg = head_config_from_target(model.config, DraftConfig(algorithm=algorithm, draft_vocab_size=None))
+    torch.manual_seed(0)
+    head = build_head(cfg, model)
+    alg, lm_head = get_algorithm(algorithm), model.get_output_embeddings()
+    g = torch.Generator().manual_seed(5)
+    b, t, h, k = 2, 9, cfg.target_hidden_size, max(1, len(cfg.aux_layer_ids))
+    attention_mask = torch.ones(b, t, dtype=torch.long)
+    attention_mask[1, 7:] = 0  # right padding
+    loss_mask = torch.zeros(b, t, dtype=torch.uint8)
+    loss_mask[0, 3:] = 1  # a prompt of 3 tokens, then the answer
+    loss_mask[1, 2:7] = 1
+    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g), "attention_mask": attention_mask,
+             "loss_mask": loss_mask, "aux_hidden": torch.randn(b, t, k, h, generator=g),
+             "final_hidden": 3 * torch.randn(b, t, h, generator=g)}
+    settings = LossSettings(steps=3, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0, pad_id=0)
+    params = [p for p in head.parameters() if p.requires_grad]
+    parts = alg.forward_loss(head, lm_head, batch, settings, None)
+    got = torch.autograd.grad(parts.objective, params)
+
+    a = aligned_inputs(batch, 0)
+    feats = batch["aux_hidden"] if algorithm == "eagle3" else batch["final_hidden"][:, :, None]
+    outs = ttt_forward(head, a["input_ids"], head.project_features(feats), a["valid"], 3)
+    with torch.no_grad():
+        target_logits = lm_head(shift_left(batch["final_hidden"], 1))  # [B, T, V]
+    v = cfg.vocab_size  # EAGLE-1 drafts from the full vocabulary: identity maps
+    t2d, d2t = (head.t2d, head.d2t) if algorithm == "eagle3" else (torch.ones(v, dtype=torch.bool), torch.zeros(v, dtype=torch.long))
+    ref = eagle3_loss_reference([head.logits(o) for o in outs], target_logits, a["loss_mask"], t2d, d2t, 0.8, a["valid"])
+    expected = torch.autograd.grad(ref.loss, params)
+    torch.testing.assert_close(parts.objective, ref.loss)
+    for i in range(3):
+        assert int(parts.step_tokens[i]) == ref.step_counts[i] > 0
+        torch.testing.assert_close(parts.step_loss[i] / parts.step_tokens[i], ref.step_losses[i])
+        torch.testing.assert_close(parts.step_correct[i] / parts.step_tokens[i], ref.step_accuracy[i])
+    for x, y in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, y)

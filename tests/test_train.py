@@ -56,6 +56,12 @@ def test_lr_factor_warmup_and_decay_shapes():
     assert lr_factor(104, 4, 104, "linear", 0.2) == pytest.approx(0.2)
     assert lr_factor(60, 4, 104, "constant", 0.2) == 1.0
     assert lr_factor(0, 0, 10, "constant", 0.2) == 1.0
+    # A time budget (train.schedule_over=minutes): the decay follows the share spent, not the step;
+    # warm-up still counts steps.
+    assert lr_factor(2, 4, 104, "cosine", 0.1, progress=0.9) == pytest.approx(0.75)
+    assert lr_factor(7, 4, 104, "cosine", 0.1, progress=0.5) == pytest.approx(0.55)
+    assert lr_factor(7, 4, 104, "cosine", 0.1, progress=1.3) == pytest.approx(0.1)
+    assert lr_factor(7, 4, 104, "linear", 0.2, progress=0.25) == pytest.approx(0.8)
 
 
 def test_simulated_tau_is_chain_acceptance():
@@ -579,6 +585,44 @@ def test_max_minutes_stops_saves_and_the_same_command_continues(ws3, tmp_path, m
     monkeypatch.undo()
     rest = trainer.train(ws3.cfg(out, steps=first.step + 2, train__max_minutes=60.0, train__eval_every=1000))
     assert rest.stopped == "max_steps" and rest.step == first.step + 2
+
+
+def test_schedule_over_minutes_decays_by_the_clock_and_resumes_it(ws3, tmp_path, monkeypatch):
+    """train.schedule_over=minutes: the lr reaches min_lr_ratio when max_minutes runs out, however few
+    steps fit (a step schedule over max_steps=1000 would have barely moved); the checkpoint keeps the
+    clock, so a resumed run with a larger budget continues the decay instead of starting it again."""
+    from eagle.train import trainer
+    from eagle.train.schedule import lr_factor
+
+    clock = iter(range(0, 100_000, 30))  # every perf_counter() call advances 30 s
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: float(next(clock)))
+    seen: list[tuple[float, float]] = []  # (share of the budget spent, lr of the next update)
+    hooks = trainer.TrainHooks(on_step_end=lambda step: seen.append((run.budget_spent(), run.scheduler.get_last_lr()[0])))
+    out = tmp_path / "o"
+    extra = {"train__schedule_over": "minutes", "train__warmup_steps": 0, "train__eval_every": 1000,
+             "train__lr": 1e-3, "train__min_lr_ratio": 0.1}
+    run = trainer.TrainRecipe(ws3.cfg(out, steps=1000, train__max_minutes=30.0, **extra), hooks)
+    first = run.train()
+    assert first.stopped == "max_minutes" and 2 < first.step < 100
+    lrs = [lr for _, lr in seen]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0.9e-3
+    assert lrs[-1] < 1e-3 * lr_factor(first.step, 0, 1000, "cosine", 0.1) - 1e-4  # far below the step schedule
+    assert lrs[-1] == pytest.approx(1e-3 * lr_factor(0, 0, 1, "cosine", 0.1, progress=seen[-1][0]), rel=0.2)
+    saved = json.loads((first.last_checkpoint / "state.json").read_text())
+    assert saved["wall_seconds"] >= 0.9 * 30 * 60
+
+    seen.clear()
+    run = trainer.TrainRecipe(ws3.cfg(out, steps=1000, train__max_minutes=60.0, **extra), hooks)
+    rest = run.train()
+    assert rest.stopped == "max_minutes" and rest.step > first.step
+    assert seen[0][0] > 0.45 and seen[0][1] < 0.7e-3  # the clock went on from the checkpoint (half of 60 min)
+
+
+def test_schedule_over_minutes_needs_a_budget(ws3, tmp_path):
+    from eagle.config import ConfigError
+
+    with pytest.raises(ConfigError, match="schedule_over=minutes decays the lr over train.max_minutes"):
+        ws3.cfg(tmp_path / "o", train__schedule_over="minutes")
 
 
 def test_eagle31_head_trains_and_its_checkpoint_loads_with_the_options(ws3, tmp_path):

@@ -66,6 +66,20 @@ def test_unroll_equals_explicit_decoding(head_and_target):
                 torch.testing.assert_close(h[:, 0], outs[i][:, t0], atol=1e-5, rtol=1e-5)
 
 
+def test_structured_and_dense_unrolls_agree(head_and_target):
+    head, _ = head_and_target
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, head.config.vocab_size, (2, 7), generator=g)
+    hidden = torch.randn(2, 7, head.config.hidden_size, generator=g)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, 5:] = 0
+    with torch.no_grad():
+        fast = ttt_forward(head, ids, hidden, am, 4)
+        dense = ttt_forward(head, ids, hidden, am, 4, dense_mask=True)
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_padding_does_not_change_real_positions(head_and_target):
     head, _ = head_and_target
     T, steps = 6, 3

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.losses import eagle3_loss, shift_left
+from eagle.algorithms.losses import eagle3_loss_packed, shift_left
 from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
 
@@ -29,7 +29,8 @@ Number = torch.Tensor | float
 @dataclass
 class LossParts:
     """One micro-batch's loss and the token-weighted sums the trainer logs. The sums are detached
-    0-d tensors (on the loss's device), so a training step needs no host sync until it logs."""
+    0-d tensors (on the loss's device), read back only at a logging step. (Selecting the loss rows,
+    `packed_positions`, is a boolean index: on a GPU one host sync per unroll step.)"""
 
     objective: torch.Tensor  # scalar, already divided by the global token counts `norms`
     step_loss: list[Number]  # per step: sum of token losses
@@ -49,6 +50,7 @@ class LossSettings:
     token_weight: float  # EAGLE-1 soft-CE weight
     noise_std: float  # EAGLE-1 feature noise (training only)
     pad_id: int
+    dense_ttt_mask: bool = False  # unroll through the dense mask (the definition; scripts/bench_ttt.py)
 
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -76,17 +78,17 @@ def token_norms(counts: list[torch.Tensor], norms: torch.Tensor | None) -> list[
 
 
 def unrolled_soft_ce(
-    step_logits: list[torch.Tensor],  # steps x [B, T, Vd]
-    target_logits: torch.Tensor,  # [B, T, V or Vd] the target's, aligned to step 0
-    a: dict[str, torch.Tensor],  # aligned_inputs
+    step_logits: list[torch.Tensor],  # steps x [N_i, Vd]: the head's logits where step i counts
+    target_logits: torch.Tensor,  # [N, V or Vd] the target's, at the label positions
+    step_rows: list[torch.Tensor],  # steps x [N_i] label rows (`packed_positions`)
     t2d: torch.Tensor,  # [V] bool: target id is in the draft vocabulary
     d2t: torch.Tensor,  # [Vd] draft id -> target id offset
     decay: float,
     norms: torch.Tensor | None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]:
-    """The unrolled soft cross-entropy (`eagle3_loss`) as (objective, step sums, raw result)."""
+    """The unrolled soft cross-entropy (`eagle3_loss_packed`) as (objective, step sums, raw result)."""
     steps = len(step_logits)
-    r = eagle3_loss(step_logits, target_logits, a["loss_mask"], t2d, d2t, decay, attention_mask=a["valid"])
+    r = eagle3_loss_packed(step_logits, target_logits, step_rows, t2d, d2t, decay)
     counts = [c.float() for c in r.step_counts]  # 0-d tensors, as `step_masks` counts them
     n = token_norms(counts, norms)
     objective = sum(decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps))

@@ -23,7 +23,7 @@ from eagle.algorithms.base import (
     token_norms,
     unrolled_soft_ce,
 )
-from eagle.algorithms.losses import add_feature_noise, eagle1_loss, shift_left
+from eagle.algorithms.losses import add_feature_noise, eagle1_loss, packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
 from eagle.config import DraftConfig, TrainConfig
 from eagle.errors import ExportError
@@ -60,7 +60,8 @@ class Eagle1(Algorithm):
         a = aligned_inputs(batch, s.pad_id)
         feats = add_feature_noise(batch["final_hidden"], s.noise_std, training=s.noise_std > 0)  # [B, T, H]
         hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
-        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id)  # steps x [B, T, H]
+        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id,
+                           dense_mask=s.dense_ttt_mask)  # steps x [B, T, H]
         with torch.no_grad():
             next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
         mask = a["loss_mask"] & a["valid"]
@@ -72,14 +73,15 @@ class Eagle1(Algorithm):
                              [count], {"feature_loss": r.feature_loss.detach() * count},
                              torch.isfinite(r.loss.detach()))
         # Evaluation: the full-vocabulary soft CE per unroll step, plus step 0's feature loss as in training.
-        step_logits = [head.logits(o) for o in outs]  # steps x [B, T, V]
+        labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
+        step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, V]
         with torch.no_grad():
-            target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
+            target_logits = lm_head(next_feature[labels].to(lm_head.weight.dtype))  # [N, V]
         v = target_logits.shape[-1]
         t2d = torch.ones(v, dtype=torch.bool, device=target_logits.device)
         d2t = torch.zeros(v, dtype=torch.long, device=target_logits.device)
         objective, step_loss, step_correct, step_tokens, _ = unrolled_soft_ce(
-            step_logits, target_logits, a, t2d, d2t, s.decay, norms)
+            step_logits, target_logits, rows, t2d, d2t, s.decay, norms)
         diff = torch.nn.functional.smooth_l1_loss(outs[0][mask].float(), next_feature[mask].float(), reduction="none")
         return LossParts(objective, step_loss, step_correct, step_tokens, {"feature_loss": diff.mean(-1).sum().detach()},
                          torch.isfinite(objective.detach()))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
-from eagle.algorithms.losses import shift_left
+from eagle.algorithms.losses import packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
@@ -52,23 +52,26 @@ class Eagle3(Algorithm):
         s = settings
         a = aligned_inputs(batch, s.pad_id)
         hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
-        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id)  # steps x [B, T, H]
-        step_logits = [head.logits(o) for o in outs]  # steps x [B, T, Vd]
+        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id,
+                           dense_mask=s.dense_ttt_mask)  # steps x [B, T, H]
+        # Logits only where a step's loss reads them, labels only at loss tokens (not at prompts or padding).
+        labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
+        step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, Vd]
         with torch.no_grad():
-            next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
+            next_feature = shift_left(batch["final_hidden"], 1)[labels]  # [N, H] f_{t+1} at the labels
             if label_rows is not None:
                 # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns):
                 # the same renormalised target distribution; accuracy is then against the target's best
                 # draft-vocabulary token (equal to the full top-1 whenever that is in the draft vocab).
-                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [B, T, Vd]
+                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [N, Vd]
                 vd = label_rows.shape[0]
                 t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
                 d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
             else:
-                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [B, T, V]
+                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [N, V]
                 t2d, d2t = head.t2d, head.d2t
         objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
-            step_logits, target_logits, a, t2d, d2t, s.decay, norms)
+            step_logits, target_logits, rows, t2d, d2t, s.decay, norms)
         extra = {}
         if r.coverage is not None and label_rows is None:  # with label rows every label is in the draft vocab
             extra["coverage"] = r.coverage * step_tokens[0]

@@ -208,6 +208,56 @@ def eagle3_targets(target_logits: torch.Tensor, t2d: torch.Tensor) -> tuple[torc
     return probs, top1, t2d[top1]
 
 
+def packed_positions(
+    loss_mask: torch.Tensor,  # [B, T] aligned to step 0
+    attention_mask: torch.Tensor | None,  # [B, T] validity of the step-0 inputs
+    steps: int,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Where the unrolled loss reads: (label mask [B, T]: the positions whose target logits are needed,
+    per step the mask [B, T] of the positions that count, per step the label row [N_i] each of those
+    positions predicts, as an index into the label positions taken in row-major order).
+
+    Step i at index t predicts the label at t + i; it counts only where that label is a loss token, so
+    every label row a step reads is a loss position: the labels are computed there and nowhere else.
+    """
+    labels = loss_mask.to(torch.bool)
+    row = labels.flatten().cumsum(0).view_as(labels) - 1  # [B, T] label row of each loss position
+    masks = [_step_mask(labels, attention_mask, i) for i in range(steps)]
+    return labels, masks, [shift_left(row, i, -1)[m] for i, m in enumerate(masks)]
+
+
+def eagle3_loss_packed(
+    step_logits: list[torch.Tensor],  # per step [N_i, Vd]: the head's logits where step i counts
+    target_logits: torch.Tensor,  # [N, V]: the target's logits at the label positions
+    step_rows: list[torch.Tensor],  # per step [N_i]: the label row each step-i logit predicts
+    t2d: torch.Tensor,  # bool [V]
+    d2t: torch.Tensor,  # int64 [Vd]
+    decay: float = 0.8,
+) -> Eagle3Loss:
+    """`eagle3_loss` on the positions that count only (`packed_positions`): the LM heads, softmaxes and
+    argmaxes run on N_i rows instead of B x T (prompts and padding are no loss tokens)."""
+    probs, top1, in_vocab = eagle3_targets(target_logits, t2d.to(target_logits.device))  # [N, Vd], [N], [N]
+    total = target_logits.new_zeros((), dtype=torch.float32)
+    out = Eagle3Loss(loss=total)
+    for i, (logits, rows) in enumerate(zip(step_logits, step_rows, strict=True)):
+        count = torch.tensor(rows.numel(), device=logits.device)
+        n = count.clamp(min=1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [N_i, Vd]
+        step_loss = -(probs[rows] * logp).sum() / n
+        with torch.no_grad():
+            drafted = logits.argmax(-1)  # [N_i] draft ids
+            drafted = drafted + d2t.to(drafted.device)[drafted]  # -> target ids
+            correct = (drafted == top1[rows]).sum()
+        total = total + decay**i * step_loss
+        out.step_losses.append(step_loss)
+        out.step_accuracy.append(correct.float() / n)
+        out.step_counts.append(count)
+        if i == 0:
+            out.coverage = in_vocab[rows].sum().float() / n
+    out.loss = total
+    return out
+
+
 def eagle3_loss(
     step_logits: list[torch.Tensor],  # per step [B, T, Vd]
     target_logits: torch.Tensor,  # [B, T, V] aligned to step 0
@@ -217,26 +267,8 @@ def eagle3_loss(
     decay: float = 0.8,
     attention_mask: torch.Tensor | None = None,
 ) -> Eagle3Loss:
-    """EAGLE-3 training-time-test loss: sum_i decay^i * masked-mean soft CE of step i (vectorised)."""
-    probs, top1, in_vocab = eagle3_targets(target_logits, t2d.to(target_logits.device))
-    total = target_logits.new_zeros((), dtype=torch.float32)
-    out = Eagle3Loss(loss=total)
-    for i, logits in enumerate(step_logits):
-        mask = _step_mask(loss_mask, attention_mask, i)  # [B, T]
-        count = mask.sum()  # a tensor: no host sync in the training step
-        n = count.clamp(min=1)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, Vd]
-        ce = -(shift_left(probs, i) * logp).sum(-1)  # [B, T]
-        step_loss = (ce * mask).sum() / n
-        with torch.no_grad():
-            drafted = logits.argmax(-1)  # [B, T] draft ids
-            drafted = drafted + d2t.to(drafted.device)[drafted]  # -> target ids
-            correct = ((drafted == shift_left(top1, i, -1)) & mask).sum()
-        total = total + decay**i * step_loss
-        out.step_losses.append(step_loss)
-        out.step_accuracy.append(correct.float() / n)
-        out.step_counts.append(count)
-        if i == 0:
-            out.coverage = (in_vocab & mask).sum().float() / n
-    out.loss = total
-    return out
+    """EAGLE-3 training-time-test loss: sum_i decay^i * masked-mean soft CE of step i, from dense
+    [B, T, ...] logits (packed to the positions that count, `eagle3_loss_packed`)."""
+    labels, masks, rows = packed_positions(loss_mask, attention_mask, len(step_logits))
+    return eagle3_loss_packed([x[m] for x, m in zip(step_logits, masks, strict=True)], target_logits[labels],
+                              rows, t2d, d2t, decay)

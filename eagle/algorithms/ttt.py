@@ -76,11 +76,14 @@ def ttt_forward(
     steps: int,
     position_ids: torch.Tensor | None = None,  # [B, T] step-0 positions; default ttt_position_ids
     pad_token_id: int = 0,
+    dense_mask: bool = False,
 ) -> list[torch.Tensor]:
     """Unroll `steps` head steps; returns the output hidden [B, T, H] of each step.
 
     Step i's input token at index t is x_{t+1+i} (`input_ids` shifted left by i, `pad_token_id`
     past the end; those positions must be masked out of the loss, see `eagle.algorithms.losses`).
+    dense_mask=True attends through SDPA with the dense `ttt_mask` (the plain definition, which
+    `scripts/bench_ttt.py` times against the default structured attention; the results are equal).
     """
     from transformers import DynamicCache
 
@@ -93,6 +96,8 @@ def ttt_forward(
     for i in range(steps):
         ids = shift_left(input_ids, i, pad_token_id)  # [B, T]
         mask = UnrolledChainMask(prefix, depth=i)  # the keys of ttt_mask(attention_mask, i)
+        if dense_mask:
+            mask = mask.dense()  # [B, 1, T, (i+1)T]
         hidden = head(ids, hidden, base_pos + i, attention_mask=mask, past_key_values=cache)  # [B, T, H]
         outs.append(hidden)
     return outs

@@ -62,6 +62,7 @@ class TrainState:
     world_size: int = 1
     skipped_steps: list[int] = field(default_factory=list)  # non-finite steps skipped so far
     metrics: dict[str, float] = field(default_factory=dict)  # last logged train/eval metrics
+    wall_seconds: float = 0.0  # the run's wall time up to this state: train.schedule_over=minutes' clock
     format_version: int = FORMAT_VERSION
 
     @classmethod

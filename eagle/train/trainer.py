@@ -156,6 +156,8 @@ class TrainRecipe:
         self.cfg, self.hooks = cfg, hooks or TrainHooks()
         self.out = Path(cfg.output_dir)
         self.timer = PhaseTimer()
+        self.started: float | None = None  # this session's start (perf_counter), set by train()
+        self.wall_before = 0.0  # wall seconds of the sessions before this one (from the checkpoint)
 
     # --- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -188,7 +190,7 @@ class TrainRecipe:
         self.lm_head = target.get_output_embeddings()
         self.params = [p for p in head.parameters() if p.requires_grad]
         optimizer = build_optimizer(self.params, t)
-        self.scheduler = build_scheduler(optimizer, t)
+        self.scheduler = build_scheduler(optimizer, t, clock=self.budget_spent)
 
         self.state = ckpt.TrainState(algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint,
                                      aux_layer_ids=aux, world_size=self.world)
@@ -203,6 +205,7 @@ class TrainRecipe:
             rng = ckpt.load_rng(self.resume_from, self.rank)
             self.state = saved
             self.state.world_size = self.world
+            self.wall_before = saved.wall_seconds
         # Per-rank random streams (EAGLE-1 feature noise); restored exactly on resume.
         torch.manual_seed(t.seed * 1000 + self.rank + 1)
         if rng is not None:
@@ -382,9 +385,18 @@ class TrainRecipe:
                                                          **{f"eval_{k}": v for k, v in metrics.items()}})
             self.accelerator.wait_for_everyone()
 
+    def wall_seconds(self) -> float:
+        """The run's wall time so far: earlier sessions (from the checkpoint) plus this one."""
+        return self.wall_before + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+    def budget_spent(self) -> float:
+        """train.schedule_over=minutes' clock: the share of train.max_minutes the run has spent."""
+        return self.wall_seconds() / (60.0 * (self.cfg.train.max_minutes or float("inf")))
+
     def save_checkpoint(self, rng_override: dict[str, Any] | None = None) -> Path:
         with self.timer("checkpoint"):
             self.state.epoch, self.state.index = self.stream.position.epoch, self.stream.position.index
+            self.state.wall_seconds = self.wall_seconds()
             path = ckpt.save_checkpoint(self.out, self.state, self.head, self.optimizer, self.scheduler,
                                         self.cfg.train.keep_checkpoints, self.rank, self.accelerator.wait_for_everyone,
                                         rng_override, self.head_extra, run_config=self.resume_record)
@@ -393,10 +405,12 @@ class TrainRecipe:
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self) -> TrainResult:
-        started = time.perf_counter()
+        self.started = started = time.perf_counter()
         self.setup()
         t, state, result = self.cfg.train, self.state, self.result
-        deadline = started + 60.0 * t.max_minutes if t.max_minutes else None
+        deadline = None
+        if t.max_minutes:  # per session; with schedule_over=minutes the whole run's budget
+            deadline = started + 60.0 * t.max_minutes - (self.wall_before if t.schedule_over == "minutes" else 0.0)
         if self.resume_from is None and state.step == 0:
             self.evaluate_heldout(untrained=True)
         with StopFlag() as stop:
