@@ -46,7 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     # so that the study's command (README) still reproduces its rows.
     "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true"],
     # The decoder layer copied from the target's last layer, fc a pass-through of the highest aux layer.
-    # 2026-12-06, AVX2 CPU, float32, 800-conversation capture: acc@0 0.280 vs recipe 0.304 (old 0.213).
+    # 2026-12-06, AVX2 CPU, float32, 800-conversation capture, accounting 1: acc@0 0.280 vs recipe 0.304.
     "target-layer": ["train.init_layer_from_target=-1"],
 }
 
