@@ -14,7 +14,7 @@ it). Variants that cost more per step (longer TTT unroll, larger draft vocabular
 that is the trade being measured.
 The held-out figures are on the capture's held-out split (`--eval-batches` x batch 2 conversations).
 
-`old` is the recipe before the training issue (float32, random batches, no EAGLE-3.1 norms); `recipe`
+`old` is the recipe before the training issue (float32, random batches, no EAGLE-3.1 norms, TTT 5); `recipe`
 is recipes/smollm2-135m-instruct.yaml as it stands (since the 2026-12-04 study: bf16 autocast where
 native, length grouping, EAGLE-3.1 norms); other variants change one thing of `recipe`. The ratio
 column is acc@0 against `old`.
@@ -23,6 +23,7 @@ column is acc@0 against `old`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -32,13 +33,14 @@ from pathlib import Path
 VARIANTS: dict[str, list[str]] = {
     # The recipe before the training issue: float32, random batches, plain EAGLE-3.
     "old": ["train.mixed_precision=no", "train.group_by_length=false", "draft.fc_norm=false",
-            "draft.norm_output=false"],
+            "draft.norm_output=false", "train.ttt_steps=5"],
     "recipe": [],
     "eagle3.0": ["draft.fc_norm=false", "draft.norm_output=false"],  # the recipe before the study below
     "lr-3e-4": ["train.lr=3e-4"],
     "lr-1.2e-3": ["train.lr=1.2e-3"],
     "warmup-200": ["train.warmup_steps=200"],
-    "ttt-3": ["train.ttt_steps=3"],
+    "ttt-3": ["train.ttt_steps=3"],  # the recipe's own setting since the 2026-12-06 study (accounting 3)
+    "ttt-5": ["train.ttt_steps=5"],  # the recipe's setting before it
     "ttt-7": ["train.ttt_steps=7"],
     "vocab-4096": ["draft.draft_vocab_size=4096"],
     "vocab-16384": ["draft.draft_vocab_size=16384"],
@@ -79,7 +81,7 @@ def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
     if path is None or not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base", "accounting")):
+    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base", "accounting", "recipe_sha256")):
         print(f"{path}: another budget, capture, base settings or budget accounting; measuring every variant "
               "again", flush=True)
         return {}
@@ -109,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     # the untrained one. Earlier studies planned max_steps from a short probe (off by up to 1.6x, so a
     # schedule ended early or was cut) and evaluated 10 times (30-50% of a budget); rows of another
     # accounting are not comparable and are measured again.
-    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 3, "runs": []}
+    recipe_file = Path(__file__).resolve().parents[1] / "recipes" / f"{args.recipe}.yaml"
+    recipe_sha = hashlib.sha256(recipe_file.read_bytes()).hexdigest() if recipe_file.is_file() else None
+    # A changed recipe file changes what `recipe` and every variant built on it mean: measured again.
+    report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 3,
+              "recipe_sha256": recipe_sha, "runs": []}
     done = _finished_runs(args.json, report)
     rows = []
     for name in variants:
