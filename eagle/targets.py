@@ -23,7 +23,7 @@ from eagle.assets import ASSETS, asset_path
 from eagle.config import TargetConfig
 from eagle.cpu_gemm import apply_cpu_gemm
 from eagle.errors import TargetError
-from eagle.fileio import atomic_dir, exclusive_lock, file_sha256
+from eagle.fileio import atomic_dir, atomic_write_text, exclusive_lock, file_sha256
 from eagle.precision import dtype_name, resolve_dtype
 
 
@@ -56,10 +56,9 @@ def _cached_file_hash(path: Path, cache_dir: Path) -> str:
     if memo.is_file():
         return memo.read_text().strip()
     digest = file_sha256(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(".tmp")
-    tmp.write_text(digest)
-    os.replace(tmp, memo)
+    # A temporary name of its own per writer: concurrent first uses of one file (two processes converting
+    # the same GGUF) wrote and renamed the same `.tmp`, and the second rename found it gone.
+    atomic_write_text(memo, digest)
     return digest
 
 
