@@ -125,6 +125,12 @@ class TrainConfig:
     # (negative counts from the end: -1 = last) and fc as a pass-through of the highest aux layer
     # (eagle.heads.target_layer). None: random init.
     init_layer_from_target: int | None = None
+    # EAGLE-3: keep the draft LM head fixed at the target's LM-head rows of the draft vocabulary (what
+    # it starts from, and what the soft labels are computed with); a fresh head's final norm then also
+    # starts from the target's final norm. The head learns to produce states the target's own output
+    # layer reads right, and a step skips that layer's weight gradient. EAGLE-1 reads the target's LM
+    # head itself (never trained).
+    freeze_lm_head: bool = False
     # Stop after this many minutes of this invocation (eval and checkpoints included), finishing the
     # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
     # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.
@@ -333,6 +339,9 @@ def validate(cfg: RootConfig) -> RootConfig:
     if t.init_layer_from_target is not None and t.init_from:
         raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
                           f"train.init_from={t.init_from!r} a trained one: set one of them")
+    if t.freeze_lm_head and cfg.draft.algorithm != "eagle3":
+        raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={cfg.draft.algorithm} has no LM head of its own "
+                          "(it reads the target's, which is never trained); drop the option")
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))

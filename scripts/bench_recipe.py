@@ -50,6 +50,8 @@ VARIANTS: dict[str, list[str]] = {
     # The decoder layer copied from the target's last layer, fc a pass-through of the highest aux layer.
     # 2026-12-06, AVX2 CPU, float32, 800-conversation capture, accounting 1: acc@0 0.280 vs recipe 0.304.
     "target-layer": ["train.init_layer_from_target=-1"],
+    # lm_head fixed at the target's rows (the labels' own), the final norm from the target's.
+    "freeze-lm-head": ["train.freeze_lm_head=true"],
 }
 
 
@@ -76,13 +78,23 @@ def run_variant(name: str, base: list[str], work: Path, minutes: float) -> dict:
             "timings": result.timings, "heldout": m, "best_tau_sim": result.best_metric, "best_step": result.best_step}
 
 
+def _settings_sha256(base: list[str]) -> str:
+    """sha256 of the resolved config the base overrides compose (the `recipe` variant's settings)."""
+    from dataclasses import asdict
+
+    from eagle.cli.app import compose
+
+    text = json.dumps(asdict(compose(base)), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
     """Variants already measured in `path` under the same budget, capture and base settings."""
     if path is None or not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base", "accounting", "recipe_sha256")):
-        print(f"{path}: another budget, capture, base settings or budget accounting; measuring every variant "
+    if any(old.get(k) != report[k] for k in ("minutes", "capture", "base", "accounting", "settings_sha256")):
+        print(f"{path}: another budget, capture, base settings, resolved settings or budget accounting; measuring every variant "
               "again", flush=True)
         return {}
     return {r["variant"]: r for r in old.get("runs", [])}
@@ -111,11 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     # the untrained one. Earlier studies planned max_steps from a short probe (off by up to 1.6x, so a
     # schedule ended early or was cut) and evaluated 10 times (30-50% of a budget); rows of another
     # accounting are not comparable and are measured again.
-    recipe_file = Path(__file__).resolve().parents[1] / "recipes" / f"{args.recipe}.yaml"
-    recipe_sha = hashlib.sha256(recipe_file.read_bytes()).hexdigest() if recipe_file.is_file() else None
-    # A changed recipe file changes what `recipe` and every variant built on it mean: measured again.
+    # Changed settings (the recipe's values or a code default) change what `recipe` and every variant
+    # built on it mean: measured again. The composed config is hashed, so a comment in the YAML is not.
     report = {"minutes": args.minutes, "capture": str(args.capture), "base": base, "accounting": 3,
-              "recipe_sha256": recipe_sha, "runs": []}
+              "settings_sha256": _settings_sha256(base), "runs": []}
     done = _finished_runs(args.json, report)
     rows = []
     for name in variants:

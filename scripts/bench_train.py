@@ -3,8 +3,12 @@
 
 Variants (`--variants`): `old` is float32 compute with random batches (the settings before bf16
 autocast and length grouping); `new` is `train.mixed_precision=auto` (bf16 autocast where the CPU /
-GPU has native bf16) with `train.group_by_length=true`. Both use the same capture, steps and shapes,
-so the printed ratio is new vs old measured in the same run.
+GPU has native bf16) with `train.group_by_length=true`; everything else as the overrides say. With
+`recipe=NAME`, `recipe` is that recipe as it is and `old-recipe` the recipe before the training issue
+(also TTT 5, no EAGLE-3.1 norms, LM head trained): a step of TTT 3 is less work than one of TTT 5, so
+that ratio is per trained token of each recipe's own step, and old vs new is the like-for-like one.
+All use the same capture, steps and shapes; the printed ratio is against the first variant listed,
+measured in the same run.
 
 Reports training tokens/s (real tokens, eval and checkpoint time excluded), the padding share (padded
 positions / positions the head computed), peak memory (CUDA allocator peak on GPU; process max RSS on
@@ -38,6 +42,11 @@ def _peak_memory_mb() -> float:
 VARIANTS = {
     "old": ["train.mixed_precision=no", "train.group_by_length=false"],
     "new": ["train.mixed_precision=auto", "train.group_by_length=true"],
+    # With recipe=...: the recipe as it is, and every recipe setting the training issue changed put
+    # back (the recipe study's `old`, scripts/bench_recipe.py: also TTT 5, no EAGLE-3.1 norms).
+    "recipe": [],
+    "old-recipe": ["train.mixed_precision=no", "train.group_by_length=false", "draft.fc_norm=false",
+                   "draft.norm_output=false", "train.ttt_steps=5", "train.freeze_lm_head=false"],
 }
 
 
@@ -101,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variants.split(",")
     if unknown := [v for v in variants if v not in VARIANTS]:
         p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if {"recipe", "old-recipe"} & set(variants) and not any(o.startswith("recipe=") for o in args.overrides):
+        p.error("--variants recipe / old-recipe compare a recipe with its past: add recipe=NAME "
+                "(e.g. recipe=smollm2-135m-instruct)")
 
     from eagle.assets import has_asset
     from eagle.capture.runner import run_capture
@@ -136,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    print("\nmode     variant  tokens/s  vs old  padding  peak MB   data  fwd+bwd  optim  log  eval  ckpt"
+    print(f"\nratios against {variants[0]}")
+    print("mode     variant     tokens/s  ratio  padding  peak MB   data  fwd+bwd  optim  log  eval  ckpt"
           " (share of loop time)")
     for r in rows:
         s = r["phase_share_of_loop"]
-        old = next((o for o in rows if o["mode"] == r["mode"] and o["variant"] == "old"), None)
-        ratio = f"{r['tokens_per_s'] / old['tokens_per_s']:5.2f}x" if old and old["tokens_per_s"] else "     -"
-        print(f"{r['mode']:<8} {r['variant']:<8} {r['tokens_per_s'] or 0:8.0f}  {ratio} {100 * (r['padding_share'] or 0):6.1f}%"
+        first = next((o for o in rows if o["mode"] == r["mode"] and o["variant"] == variants[0]), None)
+        ratio = f"{r['tokens_per_s'] / first['tokens_per_s']:5.2f}x" if first and first["tokens_per_s"] else "     -"
+        print(f"{r['mode']:<8} {r['variant']:<11} {r['tokens_per_s'] or 0:8.0f}  {ratio} {100 * (r['padding_share'] or 0):6.1f}%"
               f" {r['peak_memory_mb']:8.0f}  "
               + "  ".join(f"{100 * s.get(k, 0):4.0f}%" for k in
                           ("data", "forward_backward", "optimizer", "logging", "eval", "checkpoint")))

@@ -130,3 +130,36 @@ def test_narrower_mlp_is_refused_naming_the_option():
     head = build_head(cfg, model)
     with pytest.raises(ConfigError, match="draft.intermediate_size"):
         head.start_from_target_layer(pick_target_layer(model, -1)[1])
+
+
+def test_frozen_lm_head_reads_the_head_output_as_the_target_reads_its_last_state(target):
+    """train.freeze_lm_head on a fresh EAGLE-3 head: its final norm takes the target's final-norm gain
+    (Gemma's 1 + w included), so norm + lm_head compute the target's own logits from the same state;
+    lm_head is out of the trainable parameters."""
+    family, model = target
+    final = model.get_decoder().norm
+    with torch.no_grad():
+        saved = final.weight.clone()
+        final.weight.copy_(torch.rand_like(final.weight) + 0.5)  # not the ones a fresh norm starts from
+    try:
+        head = _fresh(model, "eagle3")
+        h = head.config.hidden_size
+        assert not torch.allclose(head.norm.weight, _gain(final, h))
+        head.freeze_lm_head(model)
+        torch.testing.assert_close(head.norm.weight, _gain(final, h))
+        state = torch.randn(2, 5, h)  # [B, T, H]
+        with torch.no_grad():
+            expected = model.get_output_embeddings()(final(state))  # [B, T, V]
+            torch.testing.assert_close(head.logits(head.norm(state) if head.config.norm_output else state),
+                                       expected, rtol=1e-5, atol=1e-5)
+        assert not any(p.requires_grad for p in head.lm_head.parameters())
+        assert all(p.requires_grad for n, p in head.named_parameters() if not n.startswith("lm_head"))
+    finally:
+        with torch.no_grad():
+            final.weight.copy_(saved)
+
+
+def test_freeze_lm_head_is_refused_for_a_head_that_reads_the_targets():
+    model = make_model("llama")[0]
+    with pytest.raises(ConfigError, match="no LM head of its own"):
+        _fresh(model, "eagle1").freeze_lm_head(model)

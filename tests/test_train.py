@@ -688,3 +688,31 @@ def test_init_layer_from_target_is_the_head_training_starts_from(ws3, tmp_path, 
                                rtol=0, atol=1e-9)
     with pytest.raises(ConfigError, match="init_layer_from_target=-1 starts a fresh head.*set one of them"):
         ws3.cfg(tmp_path / "y", train__init_layer_from_target=-1, train__init_from=final_head(tmp_path / "l", 1))
+
+
+def test_freeze_lm_head_trains_everything_but_the_lm_head(ws3, tmp_path):
+    """train.freeze_lm_head: after real updates the head's lm_head is still the target's LM-head rows
+    of the draft vocabulary while the rest moved; flipping the option on resume is another trajectory
+    (refused); EAGLE-1, which has no LM head of its own, is refused at config time."""
+    from eagle.config import ConfigError
+    from eagle.heads.io import load_head
+    from eagle.targets import load_target
+    from eagle.train.trainer import train
+
+    train(ws3.cfg(tmp_path / "f", steps=3, train__freeze_lm_head=True))
+    train(ws3.cfg(tmp_path / "u", steps=3))
+    frozen, free = load_head(final_head(tmp_path / "f", 3)), load_head(final_head(tmp_path / "u", 3))
+    target = load_target(ws3.cfg(tmp_path / "x").target)[0]
+    ids = torch.arange(frozen.config.draft_vocab_size) + frozen.d2t  # [Vd] target ids of the draft vocab
+    rows = target.get_output_embeddings().weight[ids]  # [Vd, H]
+    torch.testing.assert_close(frozen.lm_head.weight, rows, rtol=0, atol=0)
+    assert not torch.allclose(free.lm_head.weight, rows)  # the default trains it
+    train(ws3.cfg(tmp_path / "s", steps=3, train__freeze_lm_head=True, train__lr=1e-12))  # ~ the initial head
+    still = load_head(final_head(tmp_path / "s", 3))
+    for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "norm.weight"):  # the rest did train
+        assert not torch.allclose(frozen.state_dict()[name], still.state_dict()[name]), name
+
+    with pytest.raises(CheckpointError, match="train.freeze_lm_head"):
+        train(ws3.cfg(tmp_path / "f", steps=5, train__freeze_lm_head=False))
+    with pytest.raises(ConfigError, match="freeze_lm_head=true: draft.algorithm=eagle1"):
+        ws3.cfg(tmp_path / "e", train__freeze_lm_head=True, draft__algorithm="eagle1")

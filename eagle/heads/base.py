@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from eagle.config import ConfigError
+
 
 @dataclass
 class HeadConfig:
@@ -132,6 +134,11 @@ class DraftHead(nn.Module, ABC):
         (`train.init_layer_from_target`, `eagle.heads.target_layer`); returns the target parameter
         names left out."""
         raise NotImplementedError(f"{type(self).__name__} has no decoder layer to start from a target layer")
+
+    def freeze_lm_head(self, target_model: nn.Module | None) -> None:
+        """Keep the head's LM head fixed (`train.freeze_lm_head`); with `target_model`, the norm in
+        front of it first starts from the target's final norm."""
+        raise ConfigError(f"{type(self).__name__} has no LM head of its own to freeze")
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""

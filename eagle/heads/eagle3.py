@@ -25,7 +25,7 @@ from torch import nn
 from eagle.config import ConfigError
 from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from eagle.heads.target_layer import copy_target_layer
+from eagle.heads.target_layer import copy_target_layer, effective_gain, target_final_norm
 from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,24 @@ class Eagle3Head(DraftHead):
                 self.fc.weight.zero_()  # [H, k * Ht]
                 self.fc.weight[:, (k - 1) * ht:].copy_(torch.eye(h))
         return left
+
+    def freeze_lm_head(self, target_model: nn.Module | None) -> None:
+        """`lm_head` (the target's LM-head rows of the draft vocabulary, from `init_from_target`, or a
+        warm start's) stops training. With `target_model` the final norm starts from the target's:
+        then norm + lm_head read the head's output as the target's own output layer reads its last
+        hidden state (SmolLM2's final-norm gain averages 1.8, not the fresh 1.0)."""
+        if target_model is not None:
+            final = target_final_norm(target_model)
+            if final is not None and self.config.hidden_size != self.config.target_hidden_size:
+                log.info("train.freeze_lm_head: the head is %d wide, the target %d; the head's norm keeps its "
+                         "own initialisation", self.config.hidden_size, self.config.target_hidden_size)
+            elif final is None:
+                log.info("train.freeze_lm_head: the target has no final norm by a known name; the head's "
+                         "norm keeps its own initialisation")
+            else:
+                with torch.no_grad():
+                    self.norm.weight.copy_(effective_gain(final, self.config.hidden_size, self.norm.weight))
+        self.lm_head.requires_grad_(False)
 
     # --- the four steps ------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

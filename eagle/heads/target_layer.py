@@ -59,11 +59,24 @@ def pick_target_layer(target_model: nn.Module, index: int) -> tuple[int, nn.Modu
     return index % n, layers[index]
 
 
-def _effective_gain(norm: nn.Module, width: int, like: torch.Tensor) -> torch.Tensor:
+def effective_gain(norm: nn.Module, width: int, like: torch.Tensor) -> torch.Tensor:
     """[H] what the norm multiplies a unit-RMS input by (RMS(ones) = 1)."""
     p = next(norm.parameters(), like)
     with torch.no_grad():
         return norm(torch.ones(1, width, dtype=p.dtype, device=p.device))[0].to(like)
+
+
+def target_final_norm(target_model: nn.Module) -> nn.Module | None:
+    """The norm in front of the target's LM head (`norm`, Llama naming; `final_layernorm` /
+    `final_norm` elsewhere) of its decoder stack, or None where the family has none of these."""
+    get_decoder = getattr(target_model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    for owner in (decoder, getattr(target_model, "model", None), target_model):
+        for name in ("norm", "final_layernorm", "final_norm"):
+            module = getattr(owner, name, None) if owner is not None else None
+            if isinstance(module, nn.Module) and next(module.parameters(), None) is not None:
+                return module
+    return None
 
 
 def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]:
@@ -102,7 +115,7 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
         for name, dst_norm in pairs:
             if name is None or name not in modules:
                 continue
-            dst_norm.weight.copy_(_effective_gain(modules[name], width, dst_norm.weight))
+            dst_norm.weight.copy_(effective_gain(modules[name], width, dst_norm.weight))
             used.update(f"{name}.{p}" for p, _ in modules[name].named_parameters())
     left = sorted(set(source) - used)
     if left:

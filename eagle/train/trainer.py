@@ -186,6 +186,9 @@ class TrainRecipe:
             self._warm_start(head, target)
         if t.init_layer_from_target is not None and self.resume_from is None:
             self._start_from_target_layer(head, target, t.init_layer_from_target)
+        if t.freeze_lm_head:  # before the optimizer is built: it only holds what trains
+            fresh = self.resume_from is None and not t.init_from
+            head.freeze_lm_head(target if fresh else None)  # a warm start's or checkpoint's norm is its own
         head.train()
         self.lm_head = target.get_output_embeddings()
         self.params = [p for p in head.parameters() if p.requires_grad]
@@ -422,7 +425,8 @@ class TrainRecipe:
                 state.step += 1
                 if state.step % t.log_every == 0 or state.step == t.max_steps:
                     self.log_window(outcome)
-                self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], loss=result.train_metrics.get("loss", 0.0))
+                shown = {"loss": result.train_metrics["loss"]} if "loss" in result.train_metrics else {}  # none before the first log
+                self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], **shown)
                 if state.step % t.eval_every == 0:
                     self.evaluate_heldout()
                 if state.step % t.save_every == 0 or outcome.stop_requested:
