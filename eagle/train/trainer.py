@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -341,7 +342,10 @@ class TrainRecipe:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+            with warnings.catch_warnings():  # a skipped step still moves the schedule on, on purpose
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before",
+                                        category=UserWarning)
+                self.scheduler.step()
         return StepOutcome(norm, stop_requested)
 
     # --- logging, evaluation, checkpoints --------------------------------------------------------
