@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_recipe import VARIANTS as RECIPE_VARIANTS  # scripts/ is sys.path[0] when run as a script
 
 
 def _peak_memory_mb() -> float:
@@ -45,8 +46,7 @@ VARIANTS = {
     # With recipe=...: the recipe as it is, and every recipe setting the training issue changed put
     # back (the recipe study's `old`, scripts/bench_recipe.py: also TTT 5, no EAGLE-3.1 norms).
     "recipe": [],
-    "old-recipe": ["train.mixed_precision=no", "train.group_by_length=false", "draft.fc_norm=false",
-                   "draft.norm_output=false", "train.ttt_steps=5", "train.freeze_lm_head=false"],
+    "old-recipe": RECIPE_VARIANTS["old"],
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.losses import _step_mask, eagle3_loss_packed, shift_left
+from eagle.algorithms.losses import eagle3_loss_packed, shift_left, step_loss_mask
 from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
 
@@ -55,7 +55,7 @@ class LossSettings:
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """[B, T] masks of the positions that count at each unroll step (as in `eagle.algorithms.losses`)."""
-    return [_step_mask(loss_mask, valid, i) for i in range(steps)]
+    return [step_loss_mask(loss_mask, valid, i) for i in range(steps)]
 
 
 def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:

@@ -148,7 +148,7 @@ class Eagle3Loss:
     coverage: torch.Tensor | None = None  # step 0: share of positions whose target top-1 is in the draft vocab
 
 
-def _step_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, i: int) -> torch.Tensor:
+def step_loss_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, i: int) -> torch.Tensor:
     """[B, T] bool: step i at index t counts if x_{t+2+i} is a loss token and the chain start t is real."""
     m = shift_left(loss_mask.to(torch.bool), i, False)
     if attention_mask is not None:
@@ -222,7 +222,7 @@ def packed_positions(
     """
     labels = loss_mask.to(torch.bool)
     row = labels.flatten().cumsum(0).view_as(labels) - 1  # [B, T] label row of each loss position
-    masks = [_step_mask(labels, attention_mask, i) for i in range(steps)]
+    masks = [step_loss_mask(labels, attention_mask, i) for i in range(steps)]
     return labels, masks, [shift_left(row, i, -1)[m] for i, m in enumerate(masks)]
 
 

@@ -125,12 +125,12 @@ class Eagle3Head(DraftHead):
         hidden state (SmolLM2's final-norm gain averages 1.8, not the fresh 1.0)."""
         if target_model is not None:
             final = target_final_norm(target_model)
-            if final is not None and self.config.hidden_size != self.config.target_hidden_size:
-                log.info("train.freeze_lm_head: the head is %d wide, the target %d; the head's norm keeps its "
-                         "own initialisation", self.config.hidden_size, self.config.target_hidden_size)
-            elif final is None:
+            if final is None:
                 log.info("train.freeze_lm_head: the target has no final norm by a known name; the head's "
                          "norm keeps its own initialisation")
+            elif self.config.hidden_size != self.config.target_hidden_size:
+                log.info("train.freeze_lm_head: the head is %d wide, the target %d; the head's norm keeps its "
+                         "own initialisation", self.config.hidden_size, self.config.target_hidden_size)
             else:
                 with torch.no_grad():
                     self.norm.weight.copy_(effective_gain(final, self.config.hidden_size, self.norm.weight))

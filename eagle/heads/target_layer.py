@@ -73,7 +73,7 @@ def target_final_norm(target_model: nn.Module) -> nn.Module | None:
     decoder = get_decoder() if callable(get_decoder) else None
     for owner in (decoder, getattr(target_model, "model", None), target_model):
         for name in ("norm", "final_layernorm", "final_norm"):
-            module = getattr(owner, name, None) if owner is not None else None
+            module = getattr(owner, name, None)
             if isinstance(module, nn.Module) and next(module.parameters(), None) is not None:
                 return module
     return None
