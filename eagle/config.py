@@ -189,7 +189,8 @@ class DecodeConfig:
     # | float32 | bfloat16 | float16. The target's verify pass decides every token, so this moves speed
     # and acceptance, never the output.
     draft_dtype: str = "target"
-    # full | int8 (int8 linears on a CPU: weight-only for a bf16 head, fbgemm dynamic for a float32 one) | auto (int8 on a CPU).
+    # full | int8 (on a CPU: int8 weights, fbgemm's dynamic int8 product, bf16 or float32 head)
+    # | int8_weight_only (on a CPU: torch's weight-only int8 kernel, bf16 head) | auto (int8 on a CPU).
     draft_weights: str = "full"
     # Prompt lookup grafted onto the head's tree (eagle/decode/lookup.py): up to this many tokens that
     # followed the latest earlier occurrence of the context's longest suffix n-gram (lookup_max_ngram
@@ -345,7 +346,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
-    _choice("decode.draft_weights", d.draft_weights, ("auto", "full", "int8"))
+    _choice("decode.draft_weights", d.draft_weights, ("auto", "full", "int8", "int8_weight_only"))
     for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens", "lookup_max_ngram",
                  "lookup_min_ngram"):
         _positive(f"decode.{name}", getattr(d, name))

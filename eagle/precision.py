@@ -13,9 +13,9 @@
     (`resolve_mixed_precision`: `auto` = bf16 autocast where native).
 
 The draft head has its own setting (`decode.draft_dtype`, `resolve_draft_dtype`): the CPU preset runs it
-in bfloat16 wherever that is native, also beside a float32 target, and with int8 weights
-(`decode.draft_weights`, `resolve_draft_weights`; on CPUs without bf16 a float32 head with fbgemm's
-dynamic int8 product); the verify pass in the target's dtype decides every token.
+in bfloat16 wherever that is native, also beside a float32 target, and with int8 weights through
+fbgemm's dynamic int8 product (`decode.draft_weights`, `resolve_draft_weights`; on CPUs without bf16
+a float32 head); the verify pass in the target's dtype decides every token.
 
 An explicit dtype the device cannot run natively is refused with the missing CPU flag named: torch
 would emulate it, several times slower than float32.
@@ -115,7 +115,7 @@ def resolve_mixed_precision(name: str, device: torch.device | str | None = None)
 
 
 DRAFT_DTYPES = ("auto", "target", *DTYPES)
-DRAFT_WEIGHTS = ("auto", "full", "int8")
+DRAFT_WEIGHTS = ("auto", "full", "int8", "int8_weight_only")
 
 
 def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
@@ -148,27 +148,35 @@ def dynamic_int8_available() -> bool:
 
 
 def resolve_draft_weights(name: str, draft_dtype: torch.dtype, device: torch.device | str | None = None) -> str:
-    """`full` or `int8` for `decode.draft_weights=name` (see `eagle.heads.quantize`).
+    """`full`, `int8` or `int8_weight_only` for `decode.draft_weights=name` (see `eagle.heads.quantize`).
 
-    int8 runs on a CPU: a bfloat16 head uses the weight-only int8 kernel, a float32 head fbgemm's
-    dynamic int8 product (where this torch build has it). `auto` picks int8 for both on a CPU.
+    Both int8 kinds run on a CPU. `int8`: fbgemm's dynamic int8 product (int8 weights, activations
+    quantised per call) for a float32 or bfloat16 head; where this torch build lacks it a bfloat16 head
+    falls back to `int8_weight_only` (torch's weight-only kernel, bfloat16 activations; bfloat16 heads
+    only). `auto` is `int8` on a CPU wherever one of them runs, else `full`.
     """
     if name not in DRAFT_WEIGHTS:
         raise TargetError(f"decode.draft_weights={name!r} is not one of {', '.join(DRAFT_WEIGHTS)}")
+    if name == "full":
+        return name
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    why = ""
+    why, kind = "", "int8_weight_only" if name == "int8_weight_only" else "int8"
     if dev.type != "cpu":
         why = f"int8 draft weights run on a CPU (here: {dev.type})"
-    elif draft_dtype == torch.float32:
-        if not dynamic_int8_available():
-            why = "this torch build has no fbgemm dynamic int8 linear for a float32 head"
-    elif draft_dtype != torch.bfloat16:
+    elif kind == "int8_weight_only" and draft_dtype != torch.bfloat16:
+        why = f"the weight-only int8 kernel needs a bfloat16 head (here: {dtype_name(draft_dtype)})"
+    elif draft_dtype not in (torch.float32, torch.bfloat16):
         why = f"int8 draft weights need a bfloat16 or float32 head (here: {dtype_name(draft_dtype)})"
+    elif kind == "int8" and not dynamic_int8_available():
+        if draft_dtype == torch.bfloat16:
+            kind = "int8_weight_only"
+        else:
+            why = "this torch build has no fbgemm dynamic int8 linear for a float32 head"
     if name == "auto":
-        return "full" if why else "int8"
-    if name == "int8" and why:
-        raise TargetError(f"decode.draft_weights=int8: {why}; set decode.draft_weights=full")
-    return name
+        return "full" if why else kind
+    if why:
+        raise TargetError(f"decode.draft_weights={name}: {why}; set decode.draft_weights=full")
+    return kind
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -2,7 +2,7 @@
 
     python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
-                                   [--dtypes bfloat16 float32] [--draft-weights full int8]
+                                   [--dtypes bfloat16 float32] [--draft-weights full int8 int8_weight_only]
                                    [--cpu-gemm stock transposed] [--lookup-tokens 0 8]
                                    [--draft-choice topk sample] [override ...]
 
@@ -15,7 +15,7 @@ prints the headline numbers plus the decoder's overhead per step, and exits 1 if
 differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie).
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
-for the head's weights (int8 weight-only linears against the full-precision head), in every dtype, and
+for the head's weights (int8 linears, dynamic or weight-only, against the full-precision head), in every dtype, and
 --cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py), --lookup-tokens for
 prompt-lookup chains grafted onto the head's tree (decode.lookup_tokens, 0 = off), --draft-choice for how
 the head drafts at temperature > 0 (decode.draft_choice: topk trees or sampled chains). Per step it also times a
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=None,
                         help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto")
     parser.add_argument("--draft-weights", nargs="*", default=None,
-                        help="measure each head setting in turn (auto | full | int8), for every dtype; default: the config's")
+                        help="measure each head setting in turn (auto | full | int8 | int8_weight_only), for every dtype; default: the config's")
     parser.add_argument("--cpu-gemm", nargs="*", default=None,
                         help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's")
     parser.add_argument("--lookup-tokens", nargs="*", default=None,

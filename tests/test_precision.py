@@ -87,7 +87,7 @@ def test_draft_dtype_auto_is_bf16_where_native_whatever_the_target(flags):
     assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.float32
     with pytest.raises(TargetError, match=r"decode.draft_dtype=bfloat16 on cpu: .*avx512_bf16"):
         precision.resolve_draft_dtype("bfloat16", torch.float32, "cpu")
-    with pytest.raises(TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8"):
+    with pytest.raises(TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8, int8_weight_only"):
         precision.resolve_draft_weights("int4", torch.bfloat16, "cpu")
 
 
@@ -99,10 +99,19 @@ def test_draft_weights_int8_for_float32_heads_where_fbgemm_is_there(monkeypatch)
     with pytest.raises(TargetError, match=r"decode.draft_weights=int8: int8 draft weights need a bfloat16 or "
                                           r"float32 head \(here: float16\); set decode.draft_weights=full"):
         precision.resolve_draft_weights("int8", torch.float16, "cpu")
+    assert precision.resolve_draft_weights("int8_weight_only", torch.bfloat16, "cpu") == "int8_weight_only"
+    with pytest.raises(TargetError, match=r"decode.draft_weights=int8_weight_only: the weight-only int8 kernel "
+                                          r"needs a bfloat16 head \(here: float32\)"):
+        precision.resolve_draft_weights("int8_weight_only", torch.float32, "cpu")
+    with pytest.raises(TargetError, match=r"int8 draft weights run on a CPU \(here: cuda\)"):
+        precision.resolve_draft_weights("int8", torch.bfloat16, "cuda")
     monkeypatch.setattr(precision, "dynamic_int8_available", lambda: False)
     assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "full"
     with pytest.raises(TargetError, match="no fbgemm dynamic int8 linear for a float32 head"):
         precision.resolve_draft_weights("int8", torch.float32, "cpu")
+    # a bfloat16 head without fbgemm falls back to the weight-only kernel, and says so in its result
+    assert precision.resolve_draft_weights("int8", torch.bfloat16, "cpu") == "int8_weight_only"
+    assert precision.resolve_draft_weights("auto", torch.bfloat16, "cpu") == "int8_weight_only"
 
 
 @pytest.mark.parametrize("in_features", [64, 40, 7])  # 40 and 7: not a multiple of the kernel's 16
@@ -142,37 +151,49 @@ def test_dynamic_int8_linear_stays_near_its_reference(in_features):
     assert (y - ref).abs().max() < 0.03 * ref.abs().max()
     assert (y - layer(x)).abs().max() < 0.03 * layer(x).abs().max()
     assert torch.equal(copy.deepcopy(quantized)(x), y)  # the packed weights are rebuilt on a copy
+    # a bfloat16 head: the same float32 product on the bf16 input, returned in bfloat16
+    xb = x.to(torch.bfloat16)
+    yb = quantized(xb)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, quantized(xb.float()).to(torch.bfloat16))
+    assert (yb.float() - ref).abs().max() < 0.04 * ref.abs().max()
 
 
 def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
     from eagle.config import TargetConfig
-    from eagle.heads.quantize import Int8Linear, quantize_head_int8
+    from eagle.heads.quantize import DynamicInt8Linear, Int8Linear, quantize_head_int8
     from eagle.targets import load_target
     from tests.support.decode import random_head
 
     target = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))[0]
     head = random_head(target, "eagle3", draft_vocab_size=100)
     before = {k: v.clone() for k, v in head.state_dict().items()}
-    q = quantize_head_int8(head)
-    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())  # the caller's head is untouched
-    assert isinstance(head.lm_head, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
-    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.midlayer.self_attn.q_proj, Int8Linear)
-    assert isinstance(q.midlayer.mlp.down_proj, Int8Linear)
-    assert isinstance(q.fc, torch.nn.Linear) and q.fc.weight.dtype == torch.bfloat16  # once per step: full
-    assert q.target_embed_tokens is head.target_embed_tokens  # borrowed from the target, not copied
     ids = torch.randint(0, 100, (1, 6))
     feats = torch.randn(1, 6, 3, target.config.hidden_size)
     pos = torch.arange(1, 7)[None]
     with torch.inference_mode():
         full = head.logits(head(ids, head.project_features(feats), pos))  # [1, 6, Vd]
-        small = q.logits(q(ids, q.project_features(feats), pos)).float()
-    assert (small - full).abs().max() < 0.05 * full.abs().max()
+    with pytest.raises(ValueError, match="weight-only int8 kernel needs a bfloat16 head"):
+        quantize_head_int8(head, torch.float32, weight_only=True)
+    for weight_only, kind in ((True, Int8Linear), (False, DynamicInt8Linear)):
+        q = quantize_head_int8(head, torch.bfloat16, weight_only=weight_only)
+        assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())  # the caller's head is untouched
+        assert isinstance(head.lm_head, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
+        assert isinstance(q.lm_head, kind) and isinstance(q.midlayer.self_attn.q_proj, kind)
+        assert isinstance(q.midlayer.mlp.down_proj, kind)
+        assert isinstance(q.fc, torch.nn.Linear) and q.fc.weight.dtype == torch.bfloat16  # once per step: full
+        assert q.target_embed_tokens is head.target_embed_tokens  # borrowed from the target, not copied
+        with torch.inference_mode():
+            out = q(ids, q.project_features(feats), pos)
+            small = q.logits(out)
+        assert out.dtype == small.dtype == torch.bfloat16  # the dynamic kernel's float32 product comes back in bf16
+        assert (small.float() - full).abs().max() < 0.05 * full.abs().max()
 
 
 @pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])
 def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_dir, flags, algorithm):
-    """decode.draft_dtype/draft_weights=auto on a bf16 CPU: the head drafts in bf16 with int8 weights,
-    the float32 target verifies, and the output is the float32 target's own greedy output."""
+    """decode.draft_dtype/draft_weights=auto on a bf16 CPU: the head drafts in bf16 with int8 weights
+    (fbgemm's dynamic product), the float32 target verifies, and the output is the float32 target's own
+    greedy output; the weight-only kernel on request, with the same output."""
     from eagle.config import TargetConfig
     from eagle.decode import SpeculativeGenerator
     from eagle.heads.quantize import has_int8_linears
@@ -189,6 +210,9 @@ def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_
     assert (gen.draft_dtype, gen.draft_weights) == ("bfloat16", "int8") and has_int8_linears(gen.head)
     assert not has_int8_linears(head) and next(head.parameters()).dtype == torch.float32
     assert gen.generate(ids).tokens == ref
+    weight_only = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
+                                                                    draft_weights="int8_weight_only"))
+    assert weight_only.draft_weights == "int8_weight_only" and weight_only.generate(ids).tokens == ref
 
 
 def test_float32_int8_head_on_a_cpu_without_bf16_keeps_greedy_output(tiny_target_dir, flags):

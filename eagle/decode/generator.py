@@ -127,7 +127,8 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
 
     def _prepare_head(self, head: DraftHead, target_dtype: torch.dtype) -> DraftHead:
-        """The head in `decode.draft_dtype`, with int8 linears under `decode.draft_weights=int8`.
+        """The head in `decode.draft_dtype`, with int8 linears under `decode.draft_weights=int8` (fbgemm's
+        dynamic product) or `int8_weight_only`.
 
         Drafting at batch 1 is bound by reading the head's weights, so fewer bytes per weight is
         most of what makes it cheap; the target's verify pass still decides every token.
@@ -136,11 +137,12 @@ class SpeculativeGenerator:
         self.draft_weights = resolve_draft_weights(self.cfg.draft_weights, dtype, self.device)
         self.draft_dtype = dtype_name(dtype)
         have = next(head.parameters()).dtype
-        if self.draft_weights == "int8":
+        if self.draft_weights in ("int8", "int8_weight_only"):
             if not has_int8_linears(head):
-                log.info("draft head: int8 linears, %s activations (%s; was %s)", self.draft_dtype,
-                         "weight-only" if dtype == torch.bfloat16 else "dynamically quantised", have)
-                head = quantize_head_int8(head, dtype)
+                weight_only = self.draft_weights == "int8_weight_only"
+                log.info("draft head: int8 linears, %s (%s head; was %s)", "weight-only kernel" if weight_only
+                         else "dynamically quantised activations", self.draft_dtype, have)
+                head = quantize_head_int8(head, dtype, weight_only=weight_only)
         elif have != dtype:
             log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype)
             head = head.to(dtype)

@@ -345,7 +345,7 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             "dtype": info.dtype,  # the target's, every method alike (target.dtype resolved)
             "cpu_gemm": info.gemm,  # the target's kernel for float32 CPU products of 2-32 rows, every method alike
             "draft_dtype": generator.draft_dtype,  # the head's compute dtype (decode.draft_dtype resolved)
-            "draft_weights": generator.draft_weights,  # full | int8 (decode.draft_weights resolved)
+            "draft_weights": generator.draft_weights,  # full | int8 | int8_weight_only (resolved)
             "draft_path": cfg.draft.path,
             "draft_folder": str(draft.folder),
             "draft_kind": draft.via,

@@ -64,7 +64,7 @@ def _dtype_text(settings: dict[str, Any]) -> str:
     weights = settings.get("draft_weights") or "full"
     if head == dtype and weights == "full":
         return dtype
-    return f"{dtype} (head {head}{', int8' if weights == 'int8' else ''})"
+    return f"{dtype} (head {head}{', ' + weights.replace('_', ' ') if weights.startswith('int8') else ''})"
 
 
 def _tree_text(tree: Any) -> str:

@@ -1,28 +1,33 @@
-"""Int8 weight-only linears for drafting on a CPU (`decode.draft_weights=int8`).
+"""Int8 weight linears for drafting on a CPU (`decode.draft_weights=int8 | int8_weight_only`).
 
 Why: at batch 1 a draft level is a handful of [<=16, 576] x [576, N] products whose cost is reading
 the weights. The target's forward between two draft steps evicts the head from the CPU caches, so
 every level streams the head's layer (~8 MB in bf16) and LM head (~9 MB for 8,192 draft tokens) from
-memory again. Int8 weights halve those bytes: on the 2-core AVX512-BF16 EPYC the shipped SmolLM2 head
-drafting 4 levels a step cost 7.97 ms instead of 11.39 ms per step at the same tau (1.90), 1.45x vs
-1.30x HF generate (`scripts/bench_decode.py --tree dynamic --draft-weights full int8`, MT-bench x10).
+memory again. Int8 weights halve those bytes.
 
 Decoding stays lossless whatever the head computes: the target verifies every drafted token. Only
-acceptance can move, and per-output-channel symmetric int8 (scale = max |w| / 127 per row) keeps each
-logit within ~0.5% of its bf16 value.
+acceptance can move; per-output-channel symmetric int8 (scale = max |w| / 127 per row) keeps each
+logit within ~0.5% of its full-precision value.
 
-Two kernels, by the head's compute dtype (`eagle.precision.resolve_draft_weights`):
-- bfloat16 head (CPUs with native bf16): torch's `_weight_int8pack_mm`, the weight-only int8 kernel
-  behind gpt-fast's CPU path (`Int8Linear`). With float32 activations it is slower than a float32
-  matmul, so it serves bf16 heads only.
-- float32 head (CPUs without native bf16): fbgemm's dynamically quantised linear
-  (`DynamicInt8Linear`): the same int8 weights, and each call quantises its activations to 7-bit
-  integers (one scale per call; 7 bits so that AVX2's pairwise int16 sums cannot saturate) and
-  multiplies in int8. On a 2-core AVX2 EPYC without AVX-512, whose float32 products at these shapes
-  run far below its memory bandwidth, a [4, 576] x [576, 8192] product took 0.85 ms instead of 7.8 ms
-  float32 (1.1 vs 9.0 ms with cold caches), with the output within ~2% of the largest logit. torch
-  marks the quantised-tensor API it needs as deprecated (moving to torchao): where it is missing,
-  `eagle.precision.dynamic_int8_available()` says so and `auto` keeps full weights.
+Two kernels:
+- `DynamicInt8Linear` (`int8`, any float32 or bfloat16 head): fbgemm's dynamically quantised linear.
+  Each call quantises its activations to 7-bit integers (one scale per call; 7 bits so that AVX2's
+  pairwise int16 sums cannot saturate) and multiplies in int8 (AVX2, or AVX512-VNNI); the output comes
+  back in the input's dtype. On the 2-core AVX2 EPYC (no AVX-512), whose float32 products at these
+  shapes run far below its memory bandwidth, a [4, 576] x [576, 8192] product took 0.85 ms instead of
+  7.8 ms float32. On the 2-core AVX512-BF16 EPYC it also beats the weight-only kernel for a bfloat16
+  head: in the decoding loop (cold caches) the LM head costs half (README, Benchmarks).
+- `Int8Linear` (`int8_weight_only`, bfloat16 heads): torch's `_weight_int8pack_mm`, the weight-only
+  int8 kernel behind gpt-fast's CPU path; activations stay bfloat16 (with float32 activations it is
+  slower than a float32 matmul). The fallback where this torch build lacks fbgemm's quantised ops:
+  torch marks the quantised-tensor API the dynamic kernel needs as deprecated (moving to torchao);
+  `eagle.precision.dynamic_int8_available()` says whether it is there.
+
+A oneDNN-prepacked full-precision linear (`torch.ops.mkldnn._linear_pointwise`) was measured too: 2.3x
+faster than either int8 kernel with the weights hot in cache ([4, 576] x [576, 8192] in bf16: 0.13 vs
+0.30 ms), but slower in the decoding loop, where the weights come from memory and it reads twice the bytes
+(head time per step over 5 MT-bench prompts, two runs each: 8.4 / 7.6 ms packed vs 6.5 / 6.4 ms int8
+weight-only); not kept.
 """
 
 from __future__ import annotations
@@ -104,8 +109,8 @@ def _pack_dynamic(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
 
 
 class DynamicInt8Linear(nn.Module):
-    """A float32 linear layer with int8 weights (one scale per output row) and activations quantised
-    per call to 7-bit integers: fbgemm's dynamic int8 product (see the module doc)."""
+    """A linear layer with int8 weights (one scale per output row) and activations quantised per call
+    to 7-bit integers: fbgemm's dynamic int8 product, output in the input's dtype (see the module doc)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -127,29 +132,30 @@ class DynamicInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
-        y = torch.ops.quantized.linear_dynamic(flat, self._packed, True)  # [M, N]; reduce_range: 7-bit
-        return y.view(*lead, self.out_features)
+        y = torch.ops.quantized.linear_dynamic(flat, self._packed, True)  # [M, N] float32; reduce_range: 7-bit
+        return y.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, dynamic int8"
 
 
-def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16) -> DraftHead:
-    """A copy of `head` (in `dtype`) whose linears, except `KEEP_FULL`, hold int8 weights: `Int8Linear`
-    for a bfloat16 head, `DynamicInt8Linear` for a float32 one.
+def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16, weight_only: bool = False) -> DraftHead:
+    """A copy of `head` (in `dtype`, bfloat16 or float32) whose linears, except `KEEP_FULL`, hold int8
+    weights: `DynamicInt8Linear`, or with `weight_only` (bfloat16 only) `Int8Linear`.
 
     The caller's head is left as it was (it may still be trained or exported); borrowed target
     modules are shared, not copied (`BorrowedModules`).
     """
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"int8 draft weights need a bfloat16 or float32 head, not {dtype}")
+    if weight_only and dtype != torch.bfloat16:
+        raise ValueError(f"the weight-only int8 kernel needs a bfloat16 head, not {dtype}")
     quantized = copy.deepcopy(head).to(dtype)
     for parent_name, parent in list(quantized.named_modules()):
         for name, child in list(parent.named_children()):
             full_name = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, nn.Linear) and full_name not in KEEP_FULL:
-                layer = (Int8Linear.from_linear(child, dtype) if dtype == torch.bfloat16
-                         else DynamicInt8Linear.from_linear(child))
+                layer = Int8Linear.from_linear(child, dtype) if weight_only else DynamicInt8Linear.from_linear(child)
                 setattr(parent, name, layer)
     return quantized.eval()
 
