@@ -27,7 +27,7 @@ A oneDNN-prepacked full-precision linear (`torch.ops.mkldnn._linear_pointwise`) 
 faster than either int8 kernel with the weights hot in cache ([4, 576] x [576, 8192] in bf16: 0.13 vs
 0.30 ms), but slower in the decoding loop, where the weights come from memory and it reads twice the bytes
 (head time per step over 5 MT-bench prompts, two runs each: 8.4 / 7.6 ms packed vs 6.5 / 6.4 ms int8
-weight-only); not kept.
+weight-only; ad-hoc profiles, not a script in this repository); not kept.
 """
 
 from __future__ import annotations
