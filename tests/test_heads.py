@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
 from eagle.heads import build_head, head_config_from_target, load_head, read_head_extra, save_head
 from eagle.heads.base import HeadConfig
-from eagle.heads.layers import Attention, RotaryEmbedding, causal_mask
+from eagle.heads.layers import Attention, RotaryEmbedding, causal_mask, fuse_for_inference, fuse_linears
 from eagle.heads.vocab import count_tokens
 from tests.tiny_models import FAMILIES, make_model
 
@@ -165,6 +166,68 @@ def test_attention_matches_transformers_llama():
         expected = theirs(x, (cos_t, sin_t), attention_mask=mask)[0]
         got = ours(x, cos, sin, attention_mask=mask)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_table_equals_the_direct_computation_at_any_position_and_after_a_cast():
+    """cos / sin come from a cached table (grown on demand): the values the formula gives directly,
+    in float32 frequencies even for a head cast to bf16."""
+    hcfg = HeadConfig(algorithm="eagle1", hidden_size=64, target_hidden_size=64, vocab_size=32, draft_vocab_size=32,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    rope = RotaryEmbedding(hcfg)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+
+    def direct(pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = torch.cat([pos[..., None].float() * inv_freq] * 2, dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    for pos in (torch.tensor([[0, 1, 7]]), torch.tensor([[3000, 3001, 5], [9, 10, 11]])):  # 3001: past the first table
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = rope(pos, dtype)
+            want_cos, want_sin = direct(pos, dtype)
+            assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert rope.table(1, torch.float32, torch.device("cpu")).shape[0] == 4096  # grown to a power of two
+    rope.to(torch.bfloat16)  # a cast head keeps float32 frequencies (not a buffer: never cast)
+    assert rope.inv_freq.dtype == torch.float32 and "inv_freq" not in rope.state_dict()
+    assert torch.equal(rope(torch.tensor([[2000]]), torch.float32)[0], direct(torch.tensor([[2000]]), torch.float32)[0])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_fused_projections_compute_the_same_function(target, algo):
+    """fuse_for_inference (decoding copies): one q/k/v and one gate/up product give the unfused
+    head's output, with a cache and a tree mask; the fused copy's state dict says what changed."""
+    from transformers import DynamicCache
+
+    family, model = target
+    head = _head(model, algo).eval()
+    fused = fuse_for_inference(copy.deepcopy(head))
+    layer = "midlayer" if algo == "eagle3" else "layers.0"
+    names = set(fused.state_dict())
+    assert f"{layer}.self_attn.qkv_proj.weight" in names and f"{layer}.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".gate_proj.weight",
+                               ".up_proj.weight")) for n in names)
+    assert f"{layer}.self_attn.q_proj.weight" in head.state_dict()  # the original keeps its export names
+    ids, feats, pos = _inputs(head, b=1, t=6)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings below a root
+    mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree], dim=1)[None, None]  # [1, 1, 3, 9]
+    outs = []
+    with torch.no_grad():
+        for h in (head, fused):
+            cache = DynamicCache()
+            prefix = h(ids, h.project_features(feats), pos, past_key_values=cache)  # [1, 6, H]
+            level = h(ids[:, :3], prefix[:, :3], pos[:, :3] + 6, attention_mask=mask, past_key_values=cache)
+            outs.append((prefix, h.logits(level)))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    fuse_for_inference(fused)  # fusing twice changes nothing
+    assert set(fused.state_dict()) == names
+
+
+def test_fuse_linears_refuses_mixed_bias_or_width():
+    with pytest.raises(ValueError, match="one input width"):
+        fuse_linears([torch.nn.Linear(4, 3), torch.nn.Linear(5, 3)])
+    with pytest.raises(ValueError, match="all with or all without bias"):
+        fuse_linears([torch.nn.Linear(4, 3), torch.nn.Linear(4, 3, bias=False)])
 
 
 def test_head_config_follows_target_config(target):

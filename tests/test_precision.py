@@ -178,8 +178,8 @@ def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
         q = quantize_head_int8(head, torch.bfloat16, weight_only=weight_only)
         assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())  # the caller's head is untouched
         assert isinstance(head.lm_head, torch.nn.Linear) and head.fc.weight.dtype == torch.float32
-        assert isinstance(q.lm_head, kind) and isinstance(q.midlayer.self_attn.q_proj, kind)
-        assert isinstance(q.midlayer.mlp.down_proj, kind)
+        assert isinstance(q.lm_head, kind) and isinstance(q.midlayer.self_attn.qkv_proj, kind)  # fused
+        assert isinstance(q.midlayer.mlp.gate_up_proj, kind) and isinstance(q.midlayer.mlp.down_proj, kind)
         assert isinstance(q.fc, torch.nn.Linear) and q.fc.weight.dtype == torch.bfloat16  # once per step: full
         assert q.target_embed_tokens is head.target_embed_tokens  # borrowed from the target, not copied
         with torch.inference_mode():
@@ -187,6 +187,56 @@ def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
             small = q.logits(out)
         assert out.dtype == small.dtype == torch.bfloat16  # the dynamic kernel's float32 product comes back in bf16
         assert (small.float() - full).abs().max() < 0.05 * full.abs().max()
+
+
+def test_dynamic_int8_linear_of_fused_rows_equals_the_parts_exactly():
+    """Fusing q/k/v (or gate/up) before quantising changes nothing: rows keep their own scales and one
+    call quantises the shared input once, with the scale each part's own call would use."""
+    from eagle.heads.layers import fuse_linears
+    from eagle.heads.quantize import DynamicInt8Linear
+
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(96, n, bias=False) for n in (48, 16, 16)]
+    fused = DynamicInt8Linear.from_linear(fuse_linears(parts))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 96).to(dtype)
+        with torch.inference_mode():
+            want = torch.cat([DynamicInt8Linear.from_linear(p)(x) for p in parts], dim=-1)
+            got = fused(x)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_full_precision_draft_head_is_a_fused_copy(tiny_target_dir):
+    """decode.draft_weights=full: the generator drafts with a fused copy in the draft dtype; the
+    caller's head keeps its dtype and the names export writes."""
+    from eagle.config import TargetConfig
+    from eagle.decode import SpeculativeGenerator
+    from eagle.targets import load_target
+    from tests.support.decode import decode_cfg, hf_greedy, random_head
+
+    model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
+    head = random_head(model, "eagle3", draft_vocab_size=100)
+    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=12, draft_dtype="target",
+                                                            draft_weights="full"))
+    assert gen.head is not head and gen.head.midlayer.self_attn.qkv_proj is not None
+    assert head.midlayer.self_attn.qkv_proj is None and "midlayer.self_attn.q_proj.weight" in head.state_dict()
+    ids = [1, 5, 9, 14, 3, 7]
+    assert gen.generate(ids).tokens == hf_greedy(model, ids, 12)
+
+
+def test_a_head_quantised_by_the_caller_drafts_as_it_is_and_the_report_says_so(tiny_target_dir, caplog):
+    from eagle.config import TargetConfig
+    from eagle.decode import SpeculativeGenerator
+    from eagle.heads.quantize import quantize_head_int8
+    from eagle.targets import load_target
+    from tests.support.decode import decode_cfg, random_head
+
+    model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
+    held = quantize_head_int8(random_head(model, "eagle3", draft_vocab_size=100), torch.bfloat16, weight_only=True)
+    with caplog.at_level("WARNING"):
+        gen = SpeculativeGenerator(model, held, tok, decode_cfg(max_new_tokens=4, draft_weights="full"))
+    assert gen.head is held and (gen.draft_weights, gen.draft_dtype) == ("int8_weight_only", "bfloat16")
+    assert "already holds int8_weight_only linears; decode.draft_weights=full is not applied" in caplog.text
 
 
 @pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])

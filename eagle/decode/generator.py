@@ -15,6 +15,7 @@ Batch size is 1: per-sequence accepted lengths differ, and a batched version wou
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -50,7 +51,8 @@ from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
-from eagle.heads.quantize import has_int8_linears, quantize_head_int8
+from eagle.heads.layers import fuse_for_inference
+from eagle.heads.quantize import Int8Linear, has_int8_linears, quantize_head_int8
 from eagle.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
 
 log = logging.getLogger(__name__)
@@ -133,19 +135,28 @@ class SpeculativeGenerator:
         Drafting at batch 1 is bound by reading the head's weights, so fewer bytes per weight is
         most of what makes it cheap; the target's verify pass still decides every token.
         """
+        have = next(head.parameters()).dtype
+        if has_int8_linears(head):  # quantised by the caller: drafts as it is, and the report says how
+            held = "int8_weight_only" if any(isinstance(m, Int8Linear) for m in head.modules()) else "int8"
+            if self.cfg.draft_weights not in ("auto", held):
+                log.warning("the draft head passed in already holds %s linears; decode.draft_weights=%s is not "
+                            "applied", held, self.cfg.draft_weights)
+            self.draft_weights, self.draft_dtype = held, dtype_name(have)
+            return head.eval()
         dtype = resolve_draft_dtype(self.cfg.draft_dtype, target_dtype, self.device)
         self.draft_weights = resolve_draft_weights(self.cfg.draft_weights, dtype, self.device)
         self.draft_dtype = dtype_name(dtype)
-        have = next(head.parameters()).dtype
         if self.draft_weights in ("int8", "int8_weight_only"):
-            if not has_int8_linears(head):
-                weight_only = self.draft_weights == "int8_weight_only"
-                log.info("draft head: int8 linears, %s (%s head; was %s)", "weight-only kernel" if weight_only
-                         else "dynamically quantised activations", self.draft_dtype, have)
-                head = quantize_head_int8(head, dtype, weight_only=weight_only)
-        elif have != dtype:
-            log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype)
-            head = head.to(dtype)
+            weight_only = self.draft_weights == "int8_weight_only"
+            log.info("draft head: int8 linears, %s (%s head; was %s)", "weight-only kernel" if weight_only
+                     else "dynamically quantised activations", self.draft_dtype, have)
+            head = quantize_head_int8(head, dtype, weight_only=weight_only)
+        else:
+            if have != dtype:
+                log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype,
+                         self.cfg.draft_dtype)
+            # A copy: the caller's head keeps its dtype and the per-projection names export writes.
+            head = fuse_for_inference(copy.deepcopy(head).to(dtype))
         return head.eval()
 
     # --- one step pieces -------------------------------------------------------------------------

@@ -7,6 +7,11 @@ exporter maps them 1:1 onto vLLM / SGLang draft models.
 Attention masks follow `eagle.heads.base`: boolean, True = may attend, [B, 1, T_query, T_key];
 None = causal over (cache + new tokens). Training-time test passes an `UnrolledChainMask` instead: the
 same attention, computed without the mostly-empty key blocks its dense mask would describe.
+
+Drafting runs this layer on 1-16 tokens a few times per decoding step, where the cost is the number of
+torch ops and their Python calls, not arithmetic. Hence RoPE from a cached cos/sin table, torch's fused
+RMSNorm, GQA inside SDPA (no repeated keys), and `fuse_for_inference`, which gives a decoding copy one
+q/k/v and one gate/up product. Training runs the same code, unfused.
 """
 
 from __future__ import annotations
@@ -22,6 +27,42 @@ from transformers.activations import ACT2FN
 from eagle.heads.base import HeadConfig
 
 
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the concatenation of `linears`' outputs (same input).
+
+    Each output row keeps its own weights, so the products are those of the parts; at batch 1 one
+    call instead of three also reads the input and starts the kernel once.
+    """
+    first = linears[0]
+    bias = first.bias is not None
+    if any((lin.bias is not None) != bias or lin.in_features != first.in_features for lin in linears):
+        raise ValueError("fuse_linears needs linears of one input width, all with or all without bias")
+    fused = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=bias,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))  # [sum N, K]
+        if bias:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused.requires_grad_(first.weight.requires_grad)
+
+
+def _all_linear(*modules: nn.Module) -> bool:
+    """Plain `nn.Linear`s only: a head already quantised (`eagle.heads.quantize`) stays as it is."""
+    return all(type(m) is nn.Linear for m in modules)
+
+
+def fuse_for_inference(module: nn.Module) -> nn.Module:
+    """Fuse q/k/v and gate/up projections of every layer in `module`, in place; returns it.
+
+    For decoding copies of a head (`SpeculativeGenerator`): the fused model computes the same
+    function, but its state dict no longer has the per-projection names the exporter writes.
+    """
+    for m in module.modules():
+        if isinstance(m, (Attention, MLP)):
+            m.fuse_projections()
+    return module
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm: x / rms(x) * weight, computed in float32 for stability."""
 
@@ -31,10 +72,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch's fused op computes x * rsqrt(mean(x^2) + eps) in one call (drafting runs a few
+        # hundred tiny ops per step, so the op count is most of its cost).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def _rope_config(cfg: HeadConfig) -> Any:
@@ -74,18 +114,39 @@ def rope_inv_freq(cfg: HeadConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """position ids [B, T] -> (cos, sin) [B, T, head_dim]; half-split (Llama) layout."""
+    """position ids [B, T] -> (cos, sin) [B, T, head_dim]; half-split (Llama) layout.
+
+    cos / sin come from a table over positions 0 .. n - 1 (per dtype and device, grown to the next
+    power of two when a larger position shows up), so a call is one lookup instead of a dozen
+    elementwise ops; the table holds exactly what the direct computation gives (float32 angles,
+    then cast). The inverse frequencies come from the config, never from a cast buffer: a head
+    moved to bf16 rotates with the float32 frequencies it was trained with.
+    """
+
+    MIN_TABLE = 256
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
-        # Not persistent: recomputed from the config, so never part of a checkpoint.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, not a buffer: never in a checkpoint, never cast by `.to(dtype)`.
+        self.inv_freq, self.attention_scaling = rope_inv_freq(cfg)  # [D / 2] float32
+        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [n, 2, D] cos, sin
+
+    def table(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[n' >= n, 2, D]: cos and sin of positions 0 .. n' - 1 in `dtype`."""
+        key = (dtype, device)
+        cached = self._tables.get(key)
+        if cached is None or cached.shape[0] < n:
+            size = max(self.MIN_TABLE, 1 << (n - 1).bit_length())
+            freqs = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n', D]
+            cached = torch.stack((emb.cos(), emb.sin()), dim=1) * self.attention_scaling  # [n', 2, D]
+            cached = self._tables[key] = cached.to(dtype)
+        return cached
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        table = self.table(int(position_ids.max()) + 1, dtype, position_ids.device)
+        cos_sin = table[position_ids]  # [B, T, 2, D]
+        return cos_sin[..., 0, :], cos_sin[..., 1, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +247,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections (inference copies only)
+        self._qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, Din] -> q [B, T, nh * D], k and v [B, T, nkv * D] (one product once fused)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one linear over their stacked rows (`fuse_for_inference`)."""
+        if self.qkv_proj is None and _all_linear(self.q_proj, self.k_proj, self.v_proj):
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -196,9 +271,10 @@ class Attention(nn.Module):
         past_key_values: Any | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
+        q, k, v = self.project_qkv(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, D]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past_len = 0
         if past_key_values is not None:
@@ -218,11 +294,9 @@ class Attention(nn.Module):
             # A query that may attend nothing (padding) would give NaN; let it see everything
             # instead: its output is masked out of every loss, and NaN would leak into gradients.
             mask = mask | ~mask.any(-1, keepdim=True)
-        rep = self.num_heads // self.num_kv_heads
-        if rep > 1:  # GQA: each kv head serves `rep` query heads
-            k = k.repeat_interleave(rep, dim=1)  # [B, nh, Tk, D]
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, nh, T, D]
+        # GQA: each kv head serves num_heads / num_kv_heads query heads, without copying the keys.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, nh, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -235,9 +309,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_fn = ACT2FN[cfg.hidden_act]
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections (inference copies only)
+
+    def fuse_projections(self) -> None:
+        """Replace gate/up_proj by one linear over their stacked rows (`fuse_for_inference`)."""
+        if self.gate_up_proj is None and _all_linear(self.gate_proj, self.up_proj):
+            self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DecoderLayer(nn.Module):
