@@ -161,3 +161,58 @@ def test_smollm2_greedy_identity(smollm2):
     res = SpeculativeGenerator(model, random_head(model, "eagle3", draft_vocab_size=2000), tok,
                                decode_cfg(max_new_tokens=24)).generate(ids)
     assert res.tokens == ref
+
+
+def test_draft_pool_stops_where_the_next_levels_expected_gain_falls_below_min_gain():
+    """The early stop of `draft_pool`, recomputed from the full pool: before drafting level d + 1 the
+    expected gain is rho_d * M_d (M_d: mass of the level-d frontier, rho_d: level d's mass over the
+    frontier it was drafted from, at most 1); the first level under `min_gain` ends the pool, which is
+    then a prefix of the full one."""
+    from eagle.decode.cache import cache_length
+    from eagle.decode.draft import draft_pool, head_commit
+    from eagle.decode.target import new_cache
+
+    model = make_model("llama")[0]
+    head = random_head(model, "eagle3", draft_vocab_size=16)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, head.config.vocab_size, (6,), generator=g)
+    feats = torch.randn(6, 3, head.config.target_hidden_size, generator=g)
+    k, depth = 3, 5
+    cache = new_cache()
+    with torch.inference_mode():
+        root = head_commit(head, cache, prompt, feats, torch.arange(1, 7))
+        full = draft_pool(head, cache, root, 6, k, depth)
+        gains, parent_mass = [], 1.0  # the root's mass
+        for d in range(1, depth):
+            level = full.scores[full.depths == d].double().exp()
+            frontier_mass = float(level.topk(min(k, level.numel())).values.sum())
+            gains.append(min(1.0, float(level.sum()) / parent_mass) * frontier_mass)
+            parent_mass = frontier_mass
+        checked = 0
+        for stop in range(1, depth):  # a min_gain just above gains[stop - 1] and under every earlier gain
+            min_gain = gains[stop - 1] * 1.001
+            if any(g < min_gain for g in gains[: stop - 1]):
+                continue
+            pool = draft_pool(head, cache, root, 6, k, depth, min_gain=min_gain)
+            n = pool.tokens.numel()
+            assert int(pool.depths.max()) == stop and cache_length(cache) == 6
+            assert torch.equal(pool.tokens, full.tokens[:n]) and torch.equal(pool.parents, full.parents[:n])
+            checked += 1
+        assert checked >= 2
+        assert int(draft_pool(head, cache, root, 6, k, depth, min_gain=min(gains) / 2).depths.max()) == depth
+
+
+def test_depth_calibration_may_exceed_one_where_the_tree_size_calibration_may_not():
+    from eagle.decode.autotree import MAX_DEPTH_CALIBRATION, AutoTreeState
+
+    state = AutoTreeState()
+    for _ in range(30):  # the head predicted 0.5 accepted drafts a step; 2 were accepted
+        state.predicted, state.levels = 0.5, 2
+        state.observe(accepted=2, draft_s=0.004, step_s=0.05)
+    assert state.calibration == 1.0 and 1.0 < state.depth_calibration <= MAX_DEPTH_CALIBRATION
+    per_level_tokens = state.level_s * state.tokens / state.step_s
+    assert state.min_level_gain() == pytest.approx(per_level_tokens / state.depth_calibration)
+    for _ in range(60):  # over-confident: predicted 3, accepted 0
+        state.predicted = 3.0
+        state.observe(accepted=0, draft_s=0.004, step_s=0.05)
+    assert state.depth_calibration == state.calibration < 0.5

@@ -11,9 +11,10 @@ argmax_s E[tokens](s) / (t(s) + fixed_s) over `decode.auto_candidates` from the 
 just drafted, so confident stretches (code, repetitions) get big trees and uncertain ones small trees.
 Heads are usually over-confident, so the probabilities are scaled by a running calibration factor
 (accepted drafts / predicted accepted drafts over recent steps, `AutoTreeState`). The depth follows
-the machine too: a further draft level costs one head forward (measured) and can add at most the
-frontier's probability mass in accepted tokens, so drafting stops once that mass is worth less than
-the level's time at the tokens per second the decoder is achieving.
+the machine too: a further draft level costs one head forward (measured) and adds, in expectation,
+the share of the frontier's probability mass its children draw (`draft_pool`), scaled by the same
+calibration ratio (here allowed above 1: on code the head under-predicts); drafting stops once that is
+worth less than the level's time at the tokens per second the decoder is achieving.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ from eagle.decode.cache import crop_cache
 from eagle.decode.lookup import LookupStats
 from eagle.decode.target import new_cache, target_forward
 
+# Bound on how much the depth decision may trust the head beyond its own probabilities (the depth is
+# bounded by decode.tree_depth anyway; this keeps one lucky stretch from pinning it there).
+MAX_DEPTH_CALIBRATION = 4.0
+
 
 @dataclass
 class AutoTreeState:
     """Running measurements behind `decode.tree=auto` (exponential moving averages over steps)."""
 
-    calibration: float = 1.0  # accepted drafts / the head's predicted accepted drafts
+    calibration: float = 1.0  # accepted drafts / the head's predicted accepted drafts, at most 1
+    depth_calibration: float = 1.0  # the same ratio up to MAX_DEPTH_CALIBRATION (the depth decision)
     predicted: float = 0.0  # predicted accepted drafts of the tree being verified
     levels: int = 0  # draft levels of the tree being verified
     level_s: float = 0.0  # seconds per draft level (head forward + top-k)
@@ -47,7 +53,9 @@ class AutoTreeState:
         a, p = self.decay * a + accepted, self.decay * p + self.predicted
         self._sums = (a, p)
         # Bounded: one lucky or unlucky stretch must not switch drafting off or make it unbounded.
-        self.calibration = min(1.0, max(0.05, (a + 0.5) / (p + 0.5)))
+        ratio = (a + 0.5) / (p + 0.5)
+        self.calibration = min(1.0, max(0.05, ratio))
+        self.depth_calibration = min(MAX_DEPTH_CALIBRATION, max(0.05, ratio))
         w = 1.0 - self.decay
         per_level = draft_s / max(1, self.levels)
         self.level_s = per_level if self.step_s == 0 else (1 - w) * self.level_s + w * per_level
@@ -55,11 +63,16 @@ class AutoTreeState:
         self.step_s = step_s if self.step_s == 0 else (1 - w) * self.step_s + w * step_s
 
     def min_level_gain(self) -> float:
-        """Uncalibrated frontier mass below which another draft level costs more than it brings."""
+        """Uncalibrated expected gain (`draft_pool`) below which another draft level costs more than it
+        brings.
+
+        Calibrated with `depth_calibration`, which may exceed 1: where the head under-predicts its
+        acceptance (code, repetitions), deeper levels pay more than its own probabilities say. The tree
+        size keeps `calibration` (at most 1): scaled node probabilities above 1 would mean nothing there."""
         if self.step_s <= 0:
             return 0.0  # nothing measured yet: draft the configured depth
         tokens_per_s = self.tokens / self.step_s
-        return self.level_s * tokens_per_s / self.calibration
+        return self.level_s * tokens_per_s / self.depth_calibration
 
 
 def expected_chain_tokens(rates: LookupStats, max_depth: int) -> list[float]:
