@@ -15,7 +15,6 @@ Batch size is 1: per-sequence accepted lengths differ, and a batched version wou
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -51,8 +50,8 @@ from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
-from eagle.heads.layers import fuse_for_inference
-from eagle.heads.quantize import Int8Linear, has_int8_linears, quantize_head_int8
+from eagle.heads.layers import inference_copy
+from eagle.heads.quantize import int8_kind, quantize_head_int8
 from eagle.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
 
 log = logging.getLogger(__name__)
@@ -136,8 +135,8 @@ class SpeculativeGenerator:
         most of what makes it cheap; the target's verify pass still decides every token.
         """
         have = next(head.parameters()).dtype
-        if has_int8_linears(head):  # quantised by the caller: drafts as it is, and the report says how
-            held = "int8_weight_only" if any(isinstance(m, Int8Linear) for m in head.modules()) else "int8"
+        held = int8_kind(head)
+        if held is not None:  # quantised by the caller: drafts as it is, and the report says how
             if self.cfg.draft_weights not in ("auto", held):
                 log.warning("the draft head passed in already holds %s linears; decode.draft_weights=%s is not "
                             "applied", held, self.cfg.draft_weights)
@@ -155,8 +154,7 @@ class SpeculativeGenerator:
             if have != dtype:
                 log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype,
                          self.cfg.draft_dtype)
-            # A copy: the caller's head keeps its dtype and the per-projection names export writes.
-            head = fuse_for_inference(copy.deepcopy(head).to(dtype))
+            head = inference_copy(head, dtype)  # the caller's head keeps its dtype and export names
         return head.eval()
 
     # --- one step pieces -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ q/k/v and one gate/up product. Training runs the same code, unfused.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,11 @@ def fuse_for_inference(module: nn.Module) -> nn.Module:
         if isinstance(m, (Attention, MLP)):
             m.fuse_projections()
     return module
+
+
+def inference_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A fused copy of `module` in `dtype` for decoding; the original keeps its dtype and export names."""
+    return fuse_for_inference(copy.deepcopy(module).to(dtype))
 
 
 class RMSNorm(nn.Module):

@@ -36,7 +36,6 @@ weight-only; ad-hoc profiles, not a script in this repository); not kept.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
@@ -44,7 +43,7 @@ import torch
 from torch import nn
 
 from eagle.heads.base import DraftHead
-from eagle.heads.layers import fuse_for_inference
+from eagle.heads.layers import inference_copy
 
 # The fused-feature projection runs once per decoding step (on the accepted tokens), not once per
 # draft level, and the heads read their compute dtype off its weight: it keeps full precision.
@@ -158,7 +157,7 @@ def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16, wei
         raise ValueError(f"int8 draft weights need a bfloat16 or float32 head, not {dtype}")
     if weight_only and dtype != torch.bfloat16:
         raise ValueError(f"the weight-only int8 kernel needs a bfloat16 head, not {dtype}")
-    quantized = fuse_for_inference(copy.deepcopy(head).to(dtype))  # int8 rows quantise alike fused or not
+    quantized = inference_copy(head, dtype)  # fused: int8 rows quantise alike fused or not
     for parent_name, parent in list(quantized.named_modules()):
         for name, child in list(parent.named_children()):
             full_name = f"{parent_name}.{name}" if parent_name else name
@@ -168,9 +167,18 @@ def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16, wei
     return quantized.eval()
 
 
+def int8_kind(module: nn.Module) -> str | None:
+    """The `decode.draft_weights` kind of `module`'s int8 linears (`int8_weight_only` if any is
+    `Int8Linear`), or None when it has none."""
+    kinds = {type(m) for m in module.modules()} & {Int8Linear, DynamicInt8Linear}
+    if not kinds:
+        return None
+    return "int8_weight_only" if Int8Linear in kinds else "int8"
+
+
 def has_int8_linears(module: nn.Module) -> bool:
-    return any(isinstance(m, (Int8Linear, DynamicInt8Linear)) for m in module.modules())
+    return int8_kind(module) is not None
 
 
-__all__ = ["KEEP_FULL", "DynamicInt8Linear", "Int8Linear", "has_int8_linears",
+__all__ = ["KEEP_FULL", "DynamicInt8Linear", "Int8Linear", "has_int8_linears", "int8_kind",
            "int8_linear_reference", "quantize_head_int8", "quantize_rows"]
