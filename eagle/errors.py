@@ -32,3 +32,8 @@ class TrainingError(EagleError):
 
 class ExportError(EagleError):
     """An exported folder is incomplete or inconsistent."""
+
+
+class ServerError(TargetError):
+    """An inference server of `regenerate.backend=server` is unreachable, refused a request, or answered
+    something unusable. The message names the server (URL) and what it said."""

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from eagle.assets import ASSETS, asset_path
-from eagle.config import TargetConfig
+from eagle.config import ConfigError, TargetConfig
 from eagle.cpu_gemm import apply_cpu_gemm
-from eagle.errors import TargetError
+from eagle.errors import CaptureError, TargetError
 from eagle.fileio import atomic_dir, atomic_write_text, exclusive_lock, file_sha256
 from eagle.precision import dtype_name, resolve_dtype
 
@@ -40,6 +41,7 @@ class TargetInfo:
     vocab_size: int
     dtype: str = "float32"  # the dtype the weights were loaded in (target.dtype resolved)
     gemm: str = "stock"  # the kernel of float32 CPU linears of 2-32 rows (target.cpu_gemm resolved)
+    shard: str = "none"  # how this process holds it: whole, or FSDP2 shards of its layers (target.shard)
 
 
 def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
@@ -200,19 +202,25 @@ def load_tokenizer(cfg: TargetConfig, resolved: str | None = None) -> Any:
     return tok
 
 
-def load_target(
-    cfg: TargetConfig, device: torch.device | str | None = None, stage: str = "capture"
-) -> tuple[Any, Any, TargetInfo]:
-    """Load the frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`.
+# Stages that decode with the target, and the tool that runs each (named when target.shard is refused).
+DECODING_STAGES = {"decode": "eagle-eval (speculative decoding)", "regenerate": "eagle-regenerate (generation)"}
 
-    `stage` (decode | regenerate | capture | train) picks `target.dtype=auto`'s dtype (see `eagle.precision`)
-    and whether `target.cpu_gemm` applies (decode and regenerate only; see `eagle.cpu_gemm`).
-    """
+
+def check_shard_stage(cfg: TargetConfig, stage: str) -> None:
+    """Refuse `target.shard` other than none for a decoding stage: a decoding step computes a few tokens,
+    and a sharded target would all-gather every layer's weights for each of them."""
+    if cfg.shard != "none" and stage in DECODING_STAGES:
+        raise ConfigError(
+            f"target.shard={cfg.shard}: {DECODING_STAGES[stage]} runs the whole target in one process (each "
+            "decoding step computes a few tokens; a sharded target would all-gather every layer's weights for "
+            "each step). Set target.shard=none here; sharding is for eagle-capture and eagle-train"
+        )
+
+
+def load_weights(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> Any:
+    """The target's HF model from `resolved` (see `resolve_target_path`) on the CPU, eval mode, no grads."""
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(cfg.dtype, device, stage)
-    resolved, fingerprint = resolve_target_path(cfg)
-    tokenizer = load_tokenizer(cfg, resolved)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             resolved,
@@ -223,13 +231,14 @@ def load_target(
         )
     except Exception as e:
         raise TargetError(f"cannot load target.path={cfg.path!r} ({resolved}): {e}") from e
-    model.eval().requires_grad_(False)
-    if device is not None:
-        model.to(device)
-    # Only decoding and regeneration run products of 2-32 rows; elsewhere the load-time probe is wasted work.
-    gemm = apply_cpu_gemm(model, cfg.cpu_gemm)["kernel"] if stage in ("decode", "regenerate") else "stock"
-    text = text_config(model.config)
-    info = TargetInfo(
+    return model.eval().requires_grad_(False)
+
+
+def target_info(cfg: TargetConfig, resolved: str, fingerprint: str, model_config: Any, dtype: torch.dtype,
+                gemm: str = "stock", shard: str = "none") -> TargetInfo:
+    """The `TargetInfo` of a target loaded from `resolved` with `model_config` (its HF config)."""
+    text = text_config(model_config)
+    return TargetInfo(
         source=cfg.path,
         resolved=resolved,
         fingerprint=fingerprint,
@@ -239,8 +248,51 @@ def load_target(
         vocab_size=text.vocab_size,
         dtype=dtype_name(dtype),
         gemm=gemm,
+        shard=shard,
     )
-    return model, tokenizer, info
+
+
+def load_target(
+    cfg: TargetConfig, device: torch.device | str | None = None, stage: str = "capture"
+) -> tuple[Any, Any, TargetInfo]:
+    """Load the whole frozen target (eval mode, no grads), its tokenizer and its `TargetInfo`.
+
+    `stage` (decode | regenerate | capture | train) picks `target.dtype=auto`'s dtype (see `eagle.precision`)
+    and whether `target.cpu_gemm` applies (decode and regenerate only; see `eagle.cpu_gemm`). Decoding
+    stages refuse `target.shard`; capture and training load a sharded target with `eagle.shard`.
+    """
+    check_shard_stage(cfg, stage)
+    dtype = resolve_dtype(cfg.dtype, device, stage)
+    resolved, fingerprint = resolve_target_path(cfg)
+    tokenizer = load_tokenizer(cfg, resolved)
+    model = load_weights(cfg, resolved, dtype)
+    if device is not None:
+        model.to(device)
+    # Only decoding and regeneration run products of 2-32 rows; elsewhere the load-time probe is wasted work.
+    gemm = apply_cpu_gemm(model, cfg.cpu_gemm)["kernel"] if stage in ("decode", "regenerate") else "stock"
+    return model, tokenizer, target_info(cfg, resolved, fingerprint, model.config, dtype, gemm)
+
+
+def decoder_layer_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """Module lists of `model` as long as its `num_hidden_layers`: exactly one, its decoder layers, in
+    every Llama-style family (the one rule for `train.init_layer_from_target` and `target.shard`)."""
+    n = int(text_config(model.config).num_hidden_layers)
+    return [m for _, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The target's base decoder (no LM head): what a capture forward calls, so that it skips the [B, T, V]
+    logits, and what `target.shard=fsdp` shards."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    if decoder is None:
+        raise CaptureError(
+            f"cannot find the base decoder of {type(model).__name__} (no get_decoder() or .model); "
+            "capture needs a transformers causal LM"
+        )
+    return decoder
 
 
 def text_config(config: Any) -> Any:

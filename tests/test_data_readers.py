@@ -56,6 +56,39 @@ def test_schema_errors_name_record_and_field(record, match):
     assert "file.jsonl: record 3" in str(e.value)
 
 
+def test_openai_assistant_messages_keep_their_token_ids():
+    turns = [{"role": "user", "content": "2+2?", "token_ids": [9]},  # not a training target: ignored
+             {"role": "assistant", "content": "4", "token_ids": [19]},
+             {"role": "user", "content": "and 3+3?"},
+             {"role": "assistant", "content": "6", "token_ids": None}]  # Parquet/Arrow's "none" for a missing field
+    c = normalise_record({"id": "o", "messages": turns}, index=0, source="f")
+    assert c.messages == [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "token_ids": [19]},
+                          {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6"}]
+    # ShareGPT input is read as before: role and content only.
+    rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo", "token_ids": "junk"}]}
+    assert normalise_record(rec, index=0, source="f").messages[1] == {"role": "assistant", "content": "yo"}
+
+
+@pytest.mark.parametrize("token_ids, found", [
+    ("1 2 3", "found str '1 2 3'"),
+    ([], "found an empty list"),
+    ([1, 2.0], "found element 1 = '2.0' (float)"),
+    ([1, -2], "found element 1 = '-2' (int)"),
+    ([True], "found element 0 = 'True' (bool)"),
+    ({"ids": [1]}, "found dict"),
+])
+def test_bad_token_ids_are_refused_naming_file_record_turn_and_field(tmp_path, token_ids, found):
+    path = tmp_path / "regen.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "token_ids": token_ids}]
+    path.write_text(json.dumps({"id": "ok", "messages": turns[:1] + [dict(turns[1], token_ids=[5])]}) + "\n"
+                    + json.dumps({"id": "x", "messages": turns}) + "\n")
+    with pytest.raises(DataError) as e:
+        load_conversations(local(path))
+    message = str(e.value)
+    assert f"{path}: record 1 (id 'x'), turn 1: field 'token_ids' must be a non-empty list of token ids" in message
+    assert found in message
+
+
 def test_forced_format_requires_its_field():
     with pytest.raises(DataError, match="data.format=openai needs a 'messages'"):
         normalise_record(SHAREGPT, index=0, source="f", fmt="openai")

@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"errors"},
     {"config", "fileio", "assets", "precision", "artifacts", "cpu_gemm"},  # leaves: names, typed config, files
     {"targets", "tracking"},  # the frozen target (load, facts); metric sinks
+    {"shard"},  # target.shard: the frozen target as FSDP2 shards over the processes
     {"heads"},  # draft-head modules
     {"algorithms"},  # per algorithm: feature spec, loss, export names (registry by name)
     {"decode"},  # tree speculative decoding, continuous batching

@@ -71,6 +71,41 @@ def test_output_resume_and_torn_line(tiny_qwen2, tmp_path, engine):
     assert all(c.messages == by_id[c.id] for c in convs)
 
 
+# The fast tier keeps the default (continuous) engine; the generate engine runs in make test.
+@pytest.mark.parametrize("engine", ["continuous", pytest.param("generate", marks=pytest.mark.slow)])
+def test_records_keep_the_generated_ids_and_training_reads_those(tiny_qwen2, tmp_path, engine):
+    from eagle.data.dataset import build_splits
+    from tests.test_template_token_ids import masked_runs
+
+    model, tok = tiny_qwen2
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, tok, CONVS, RegenerateConfig(batch_size=2, max_new_tokens=6, engine=engine), out, progress=False)
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    stops = set(end_of_turn_ids(tok))
+    generated: dict[str, list[list[int]]] = {}
+    for cid, record in records.items():
+        for m in record["messages"]:
+            if m["role"] != "assistant":
+                assert "token_ids" not in m
+                continue
+            ids = m["token_ids"]
+            assert 0 < len(ids) <= 6 and not stops & set(ids)  # the answer's ids, stop token excluded
+            assert m["content"] == tok.decode(ids, skip_special_tokens=True).strip()
+            generated.setdefault(cid, []).append(ids)
+    # The point of keeping them: the text alone re-tokenises to other ids for some of these answers.
+    assert any(tok(tok.decode(ids, skip_special_tokens=True).strip(), add_special_tokens=False)["input_ids"] != ids
+               for answers in generated.values() for ids in answers)
+    # data=local reads them back; the tokenised conversation's masked tokens are the generated ids, each
+    # followed by the template's end-of-turn token.
+    splits = build_splits(DataConfig(source="local", path=str(out), dedup_against=[], heldout_fraction=0.0), tok,
+                          progress=False)
+    assert sorted(tc.id for tc in splits.train) == sorted(generated)
+    eot = end_of_turn_ids(tok)[0]
+    for tc in splits.train:
+        assert masked_runs(tc) == [ids + [eot] for ids in generated[tc.id]]
+    assert (splits.stats.id_turns, splits.stats.id_fallback_turns) == (sum(map(len, generated.values())), 0)
+
+
 def test_resume_refuses_other_settings_and_corrupt_files(tiny_qwen2, tmp_path):
     model, tok = tiny_qwen2
     out = tmp_path / "regen.jsonl"

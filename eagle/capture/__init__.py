@@ -2,6 +2,7 @@
 
 - `extract_features`: the one target-forward -> features function (capture and online training).
 - `capture_splits` / `run_capture`: write sharded safetensors + `manifest.json` (resumable, multi-process).
+- `vllm_engine`: `capture.backend=vllm`, the target in vLLM (its own venv, `vllm_worker/`), same shards.
 - `CaptureDataset`, `ShardShuffleSampler`, `collate`: read a capture for training.
 - `read_manifest`, `check_compatible`: refuse a capture from another target / layer set.
 """

@@ -17,21 +17,8 @@ import torch
 from torch import nn
 
 from eagle.errors import CaptureError
-from eagle.targets import aux_layer_problem
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The target's base decoder (no LM head), so a capture forward skips the [B, T, V] logits."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    if decoder is None or decoder is model:
-        decoder = getattr(model, "model", None)
-    if decoder is None:
-        raise CaptureError(
-            f"cannot find the base decoder of {type(model).__name__} (no get_decoder() or .model); "
-            "capture needs a transformers causal LM"
-        )
-    return decoder
+from eagle.shard import is_sharded
+from eagle.targets import aux_layer_problem, decoder_of
 
 
 def check_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
@@ -51,12 +38,15 @@ def extract_features(
 
     Returns {"final_hidden": [B, T, H]} plus {"aux_hidden": [B, T, 3, H]} when `aux_layer_ids` is
     given. Values at padded positions are meaningless; callers mask them with `attention_mask`.
-    The outputs are inference tensors: `.clone()` them outside inference mode before they enter a
+    The outputs may be inference tensors: `.clone()` them outside inference mode before they enter a
     graph that autograd saves (the online trainer's head forward).
     """
     decoder = decoder_of(model)
     want_aux = bool(aux_layer_ids)
-    with torch.inference_mode():
+    # A sharded target runs under no_grad instead: FSDP keeps each layer's gathered-weights buffer from one
+    # forward to the next, and one first allocated in inference mode could not be written outside it
+    # (`eagle.shard.gathered`, a layer copied into the head).
+    with torch.no_grad() if is_sharded(model) else torch.inference_mode():
         # use_cache=False: a KV cache would only cost memory here. The decoder (not the CausalLM)
         # is called so no [B, T, V] logits are computed.
         out: Any = decoder(
@@ -70,7 +60,18 @@ def extract_features(
         features = {"final_hidden": final}
         if want_aux:
             states = out.hidden_states  # tuple of L + 1 tensors [B, T, H]
+            if states is None:
+                raise CaptureError(f"{type(decoder).__name__} returned no hidden states for output_hidden_states=True; "
+                                   "the aux layers of EAGLE-3 cannot be captured from it")
             num_layers = len(states) - 1
             check_layer_ids(list(aux_layer_ids), num_layers)
             features["aux_hidden"] = torch.stack([states[i] for i in aux_layer_ids], dim=2)  # [B, T, 3, H]
     return features
+
+
+def idle_forward(model: nn.Module, device: torch.device | str) -> None:
+    """One forward of a single token whose result is dropped. Under `target.shard=fsdp` each forward
+    all-gathers every layer's shards from all processes, so all must run the same number of forwards:
+    a process that has run out of work calls this until the others are done."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)  # [1, 1]: any id works
+    extract_features(model, ids, torch.ones_like(ids), None)

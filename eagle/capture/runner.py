@@ -2,12 +2,18 @@
 
 `capture_splits` is the library core (target and conversations passed in); `run_capture` is the
 `eagle-capture` stage (loads the target, builds the data splits, captures into `output_dir`).
+Backends (`capture.backend`) differ only in the batch forward: hf runs the target in this process
+(`model_forward`), vllm asks vLLM in its own venv (`run_capture_vllm`, `eagle.capture.vllm_engine`);
+planning, batches, non-finite checks, shards and manifest are the same code.
 
 Work split: shard k of the global shard order (train shards, then held-out shards) belongs to rank
 k % world_size, so ranks of an `accelerate launch` fill disjoint shards; rank 0 merges the per-rank
 progress files into `manifest.json` at the end. A re-run (any world size) skips shards that are
 already recorded and present, and refuses a folder captured with another target, data, algorithm,
-layer set, dtype or shard size.
+layer set, dtype, shard size or backend (not another `target.shard`: the features are the same).
+
+With `target.shard=fsdp` (eagle/shard.py) every forward gathers layers from all ranks, so a rank that
+owns fewer batches runs idle forwards until it has run as many as the busiest rank (`forwards_per_rank`).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +33,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms import get_algorithm
-from eagle.capture.features import check_layer_ids, extract_features
+from eagle.capture.features import check_layer_ids, extract_features, idle_forward
 from eagle.capture.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -40,9 +48,12 @@ from eagle.capture.store import (
     remove_stale_tmp,
     write_shard,
 )
+from eagle.capture.vllm_engine import VllmEngine, target_without_weights
 from eagle.config import CaptureConfig, ConfigError, RootConfig
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
+from eagle.precision import DTYPES, resolve_dtype
+from eagle.shard import is_sharded, load_placed_target
 from eagle.targets import TargetInfo, default_aux_layer_ids
 
 
@@ -124,6 +135,16 @@ def plan_shards(splits: dict[str, Sequence[Conversation]], shard_size: int) -> l
     return jobs
 
 
+def forwards_per_rank(jobs: Sequence[ShardJob], world: int, batch_tokens: int) -> list[int]:
+    """Target forwards each rank runs for `jobs`: one per length-sorted batch of each shard it owns
+    (shard ordinal k on rank k % world), as `_capture_shard` batches them."""
+    counts = [0] * world
+    for job in jobs:
+        lengths = [len(c.input_ids) for c in job.conversations]
+        counts[job.ordinal % world] += len(length_sorted_batches(lengths, batch_tokens))
+    return counts
+
+
 def feature_rows(algorithm: str) -> int:
     """Hidden-size rows stored per token: the final state plus the algorithm's aux layers."""
     return get_algorithm(algorithm).feature_rows()
@@ -150,6 +171,7 @@ def build_header(
     aux_layer_ids: list[int] | None,
     capture: CaptureConfig,
     jobs: Sequence[ShardJob],
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything in `manifest.json` except the shard list."""
     features = {"final_hidden": [info.hidden_size]}
@@ -173,6 +195,9 @@ def build_header(
             "hidden_size": info.hidden_size,
             "num_layers": info.num_layers,
             "vocab_size": info.vocab_size,
+            # How the run that wrote this manifest last held the target (target.shard); not part of the
+            # capture's identity (the features are the same either way), like the number of processes.
+            "shard": info.shard,
         },
         "data": data_identity,
         "algorithm": algorithm,
@@ -180,6 +205,9 @@ def build_header(
         "features": features,
         "dtype": capture.dtype,
         "shard_size": capture.shard_size,
+        # Which backend (capture.backend) and engine computed the features; a resume must use the same.
+        "backend": capture.backend,
+        "engine": engine,
         "splits": splits,
     }
 
@@ -242,12 +270,24 @@ def check_finite_features(
         )
 
 
+# One padded batch -> features (`extract_features`' contract): ids [B, T], mask [B, T], aux layer ids ->
+# {"final_hidden": [B, T, H], "aux_hidden": [B, T, 3, H]} in the target's dtype. The hf backend runs the
+# model in this process; capture.backend=vllm asks vLLM (`eagle.capture.vllm_engine.VllmEngine.forward`).
+BatchForward = Callable[[torch.Tensor, torch.Tensor, "list[int] | None"], dict[str, torch.Tensor]]
+
+
+def model_forward(model: nn.Module, device: torch.device) -> BatchForward:
+    """The hf backend's `BatchForward`: the target in this process on `device`."""
+    def forward(ids: torch.Tensor, mask: torch.Tensor, aux_layer_ids: list[int] | None) -> dict[str, torch.Tensor]:
+        return extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+    return forward
+
+
 def _capture_shard(
-    model: nn.Module,
+    forward: BatchForward,
     job: ShardJob,
     aux_layer_ids: list[int] | None,
     capture: CaptureConfig,
-    device: torch.device,
     on_tokens: Callable[[int], None],
 ) -> dict[str, list[torch.Tensor]]:
     """Forward one shard in length-sorted padded batches; per-conversation features on CPU."""
@@ -262,11 +302,11 @@ def _capture_shard(
     out: dict[str, list[Any]] = {}
     for batch in length_sorted_batches([len(c.input_ids) for c in convs], capture.batch_tokens):
         ids, mask = pad_batch([convs[i].input_ids for i in batch])
-        feats = extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+        feats = forward(ids, mask, aux_layer_ids)
         for name, value in feats.items():
             # Cast on the device first: half the bytes cross to the host.
             stored = value.to(storage)  # [b, T, ...]
-            check_finite_features(name, value, stored, mask.to(device), aux_layer_ids, capture.dtype,
+            check_finite_features(name, value, stored, mask.to(value.device), aux_layer_ids, capture.dtype,
                                   [convs[i].id for i in batch])
             value = stored.cpu()  # [b, T, ...]
             slots = out.setdefault(name, [None] * len(convs))
@@ -277,7 +317,7 @@ def _capture_shard(
 
 
 def capture_splits(
-    model: nn.Module,
+    model: nn.Module | None,
     info: TargetInfo,
     splits: dict[str, Sequence[Conversation]],
     output_dir: str | Path,
@@ -289,11 +329,15 @@ def capture_splits(
     state: ProcessState | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    forward: BatchForward | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Capture `splits` ({"train": [...], "heldout": [...]}) into `output_dir`; return the manifest.
 
     Resumable: shards already recorded (by any earlier run, any world size) are skipped. Under
-    several processes every rank must call this with the same arguments.
+    several processes every rank must call this with the same arguments. `forward` replaces the
+    in-process `model` (capture.backend=vllm: model None); `engine` is the manifest's record of what
+    computed the features (default: transformers and its version).
     """
     from tqdm.auto import tqdm
 
@@ -308,13 +352,18 @@ def capture_splits(
         aux_layer_ids = None
     state = state or _SingleProcess()
     rank, world = state.process_index, state.num_processes
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if model is not None:
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        forward = forward or model_forward(model, device)
+    if forward is None:
+        raise ValueError("capture_splits needs a model or a forward")
+    engine = engine or {"name": "transformers", "version": package_version("transformers")}
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     jobs = plan_shards(splits, capture.shard_size)
     if not jobs:
         raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
-    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs)
+    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, engine)
 
     # 1. Identity, progress and disk space, read-only: every rank checks the same files, so all
     #    refuse together (no rank is left waiting at a barrier) and a refused run writes nothing.
@@ -380,15 +429,26 @@ def capture_splits(
         file=sys.stderr,
     )
     pending: Future | None = None
+    started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1) as writer:
         for job in mine:
-            feats = _capture_shard(model, job, aux_layer_ids, capture, device, bar.update)
+            feats = _capture_shard(forward, job, aux_layer_ids, capture, bar.update)
             if pending is not None:
                 pending.result()  # bound memory to one shard in flight; re-raise write errors
             pending = writer.submit(write, job, feats)
+        if world > 1 and model is not None and is_sharded(model):
+            # Each forward of a sharded target all-gathers from every rank: a rank with fewer forwards than
+            # the busiest one (fewer shards, or shorter ones) runs idle ones until it has run as many.
+            counts = forwards_per_rank(todo, world, capture.batch_tokens)
+            for _ in range(max(counts) - counts[rank]):
+                idle_forward(model, device)
         if pending is not None:
             pending.result()
     bar.close()
+    if mine and state.is_main_process:
+        tokens, seconds = sum(j.tokens for j in mine), time.perf_counter() - started
+        log(f"eagle-capture: this process captured {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s, "
+            "forwards and writes)")
 
     # 4. Merge: rank 0 collects every rank's entries into the final manifest.
     state.wait_for_everyone()
@@ -413,7 +473,9 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
     from accelerate import PartialState
 
     from eagle.data.dataset import build_splits, data_fingerprint
-    from eagle.targets import load_target
+
+    if cfg.capture.backend == "vllm":
+        return run_capture_vllm(cfg)
 
     # Without an accelerator, or with device=cpu, processes started by torchrun / accelerate must
     # join a gloo group (accelerate only does so when asked for CPU).
@@ -427,7 +489,7 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
             "(GPU) / torchrun (CPU), or run a single process"
         )
     device = torch.device(cfg.device) if cfg.device else state.device
-    model, tokenizer, info = load_target(cfg.target, device=device)
+    model, tokenizer, info = load_placed_target(cfg.target, device=device)
     # Rank 0 first: whatever the data stage caches is built once, then read by the others.
     with state.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=state.is_main_process)
@@ -444,3 +506,38 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
         device=device,
         state=state,
     )
+
+
+def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
+    """`eagle-capture capture.backend=vllm`: the same splits, shards and manifest, the target in vLLM (one
+    engine, which parallelises itself: capture.tensor_parallel_size) and no weights in this process."""
+    from eagle.data.dataset import build_splits, data_fingerprint
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise CaptureError(f"capture.backend=vllm runs one vLLM engine from one process, but WORLD_SIZE="
+                           f"{os.environ['WORLD_SIZE']} processes were launched; run a single process (vLLM spreads "
+                           "the target over GPUs with capture.tensor_parallel_size)")
+    if cfg.target.shard != "none":
+        raise CaptureError(f"target.shard={cfg.target.shard} places the target in eagle's processes; with "
+                           "capture.backend=vllm vLLM holds it (capture.tensor_parallel_size): set target.shard=none")
+    engine = VllmEngine(cfg.capture, cfg.output_dir)  # refuses a missing engine before anything is written
+    # target.dtype=auto resolves as for the hf backend on this machine; an explicit dtype is vLLM's to check.
+    here = torch.device(cfg.device) if cfg.device else (torch.accelerator.current_accelerator() or torch.device("cpu"))
+    dtype = resolve_dtype("auto", here, "capture") if cfg.target.dtype == "auto" else DTYPES[cfg.target.dtype]
+    tokenizer, info = target_without_weights(cfg.target, dtype)
+    splits = build_splits(cfg.data, tokenizer)
+    identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
+    with engine:
+        engine.bind(cfg.target, info, max(len(c.input_ids) for c in (*splits.train, *splits.heldout)))
+        return capture_splits(
+            None,
+            info,
+            {"train": splits.train, "heldout": splits.heldout},
+            cfg.output_dir,
+            cfg.capture,
+            cfg.draft.algorithm,
+            cfg.draft.aux_layer_ids,
+            identity,
+            forward=engine.forward,
+            engine=engine.describe(),
+        )

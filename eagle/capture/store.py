@@ -44,7 +44,13 @@ IDENTITY_FIELDS = (
     ("aux_layer_ids",),
     ("dtype",),
     ("shard_size",),
+    ("backend",),
+    ("engine", "version"),
 )
+# Which backends' engine version is part of a capture's identity: vLLM computes the features itself
+# (its kernels and its extraction method may change between versions). transformers' version is not
+# (an upgrade resumes an hf capture, as before backends were recorded).
+VERSIONED_ENGINES = ("vllm",)
 
 
 # --- atomic files ---------------------------------------------------------------------------------
@@ -205,6 +211,8 @@ _IDENTITY_KEYS = {
     ("aux_layer_ids",): "draft.aux_layer_ids",
     ("dtype",): "capture.dtype",
     ("shard_size",): "capture.shard_size",
+    ("backend",): "capture.backend",
+    ("engine", "version"): "the vLLM install of capture.vllm_python",
 }
 
 
@@ -215,14 +223,24 @@ def _short(value: Any) -> str:
     return repr(value)
 
 
+def _identity(manifest: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    """One identity field of a manifest or header (captures made before backends were recorded ran hf)."""
+    backend = manifest.get("backend", "hf")
+    if keys == ("backend",):
+        return backend
+    if keys == ("engine", "version") and backend not in VERSIONED_ENGINES:
+        return None
+    return _get(manifest, keys)
+
+
 def check_same_capture(existing: dict[str, Any], header: dict[str, Any], root: Path) -> None:
     """Refuse to add shards to a capture made with another target, data, algorithm or layer set,
     naming every differing field (and, for the data, the data.* settings that differ)."""
     diffs = []
     for keys in IDENTITY_FIELDS:
-        old, new = _get(existing, keys), _get(header, keys)
-        if old == new:
-            continue
+        old, new = _identity(existing, keys), _identity(header, keys)
+        if old == new or (keys == ("engine", "version") and existing.get("backend", "hf") != header.get("backend", "hf")):
+            continue  # another backend is named as such, not also as another engine version
         name = ".".join(keys)
         via = f" ({_IDENTITY_KEYS[keys]})" if keys in _IDENTITY_KEYS else ""
         if keys == ("data", "fingerprint"):

@@ -1,6 +1,9 @@
 """`eagle-regenerate`: replace the assistant turns of the selected data with the target's own answers.
 
 Usage: eagle-regenerate [recipe=NAME] data=... regenerate.max_new_tokens=256 [regenerate.temperature=0.7]
+       eagle-regenerate ... regenerate.backend=server 'regenerate.servers=[http://127.0.0.1:8000,...]'
+         (the target served by vLLM, SGLang, llama-server or `transformers serve`; target.path still names
+         it here, for its tokenizer and chat template)
 Then train on the output with: data=local data.path=<output_dir>/regenerated.jsonl
 """
 
@@ -13,18 +16,29 @@ from eagle.config import RootConfig
 
 
 def regenerate_stage(cfg: RootConfig) -> None:
-    from accelerate import PartialState
-
     from eagle.data.dataset import load_conversations
     from eagle.data.regenerate import default_output, regenerate
-    from eagle.targets import load_target
 
-    device = cfg.device or PartialState().device
-    model, tokenizer, info = load_target(cfg.target, device=device, stage="regenerate")
+    if cfg.regenerate.backend == "server":
+        from eagle.data.server import ServerBackend
+        from eagle.targets import load_tokenizer, resolve_target_path
+
+        # The servers run the model; here only its tokenizer and chat template render the prompts.
+        resolved, fingerprint = resolve_target_path(cfg.target)
+        tokenizer = load_tokenizer(cfg.target, resolved)
+        target, dtype = ServerBackend(cfg.regenerate), None
+    else:
+        from accelerate import PartialState
+
+        from eagle.targets import load_target
+
+        device = cfg.device or PartialState().device
+        target, tokenizer, info = load_target(cfg.target, device=device, stage="regenerate")
+        fingerprint, dtype = info.fingerprint, info.dtype
     conversations, stats = load_conversations(cfg.data)
     print(stats.summary(), file=sys.stderr)
     output = default_output(cfg.output_dir, cfg.regenerate)
-    regenerate(model, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=info.fingerprint, dtype=info.dtype,
+    regenerate(target, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=fingerprint, dtype=dtype,
                data=cfg.data)
     print(f"eagle-regenerate: wrote {output}; train on it with data=local data.path={output}")
 

@@ -34,6 +34,8 @@ class DataStats:
     heldout: int = 0
     train: int = 0
     fallback_turns: int = 0  # assistant turns masked by search: the template is not prefix-consistent
+    id_turns: int = 0  # assistant turns tokenised as their stored token_ids (eagle.data.template)
+    id_fallback_turns: int = 0  # assistant turns with token_ids whose text was tokenised instead
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -47,6 +49,11 @@ class DataStats:
         if self.fallback_turns:
             lines.append(f"data: {self.fallback_turns} assistant turns masked by content search "
                          "(the chat template is not prefix-consistent)")
+        if self.id_turns or self.id_fallback_turns:
+            lines.append(f"data: {self.id_turns} assistant turns tokenised as the token ids stored with them"
+                         + (f"; {self.id_fallback_turns} as their text instead (ids that do not decode to the "
+                            "content, or that cannot be spliced into the template's tokens)"
+                            if self.id_fallback_turns else ""))
         lines += [f"data: note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -159,6 +166,8 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
             continue
         stats.truncated += int(tc.truncated)
         stats.fallback_turns += tc.fallback_turns
+        stats.id_turns += tc.id_turns
+        stats.id_fallback_turns += tc.id_fallback_turns
         tokenized.append(tc)
     if not tokenized:
         raise DataError(f"no usable conversations in data.source={cfg.source} data.path={cfg.path}:\n"

@@ -7,6 +7,12 @@ Policy for bad records, decided per error class:
   * content problems that real scraped data has in bulk (ShareGPT: conversations split mid-way that
     start with the assistant, empty turns, no assistant reply) raise `SkipRecord` with a short reason;
     callers count them per reason and print the counts.
+
+An assistant message of an OpenAI-format record may carry `"token_ids"`: the ids the target generated
+for it (`eagle-regenerate` writes them). They are kept on the normalised message, and tokenisation
+uses them in place of a re-tokenisation of the text (`eagle.data.template`). A value other than a
+non-empty list of non-negative integers (or null, for "none") is a schema error. ShareGPT records,
+and turns other than the assistant's, are read as before: role and content only.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ ROLE_MAP: dict[str, str] = {
 
 @dataclass
 class Conversation:
-    """A conversation in the toolkit's normalised form: roles are system | user | assistant."""
+    """A conversation in the toolkit's normalised form: roles are system | user | assistant.
+
+    Each message has `role` and `content`; an assistant message may also hold `token_ids` (the ids
+    the target generated for it, see the module docstring)."""
 
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 class SkipRecord(Exception):
@@ -61,6 +70,25 @@ def _text_of(content: Any, where: str) -> str:
         return "".join(parts)
     raise DataError(f"{where}: content must be a string, got {type(content).__name__} "
                     f"({str(content)[:60]!r}); fix or remove this record")
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _token_ids_of(value: Any, where: str) -> list[int]:
+    """An assistant message's `token_ids`: a non-empty list of non-negative ints (bools are not ids)."""
+    if isinstance(value, list) and value and all(map(_is_id, value)):
+        return list(value)
+    if not isinstance(value, list):
+        found = f"{type(value).__name__} {str(value)[:60]!r}"
+    elif not value:
+        found = "an empty list"
+    else:
+        k, bad = next((k, t) for k, t in enumerate(value) if not _is_id(t))
+        found = f"element {k} = {str(bad)[:60]!r} ({type(bad).__name__})"
+    raise DataError(f"{where}: field 'token_ids' must be a non-empty list of token ids (non-negative integers); "
+                    f"found {found}. Fix or drop the field (without it the content's text is tokenised)")
 
 
 def detect_format(record: dict[str, Any], fmt: str, where: str) -> tuple[str, str]:
@@ -101,7 +129,7 @@ def normalise_record(
         where = f"{source}: record {index} (id {cid!r})"
     else:
         cid = f"{index}"
-    _, key = detect_format(record, fmt, where)
+    fmt_name, key = detect_format(record, fmt, where)
     turns = record[key]
     if not isinstance(turns, list):
         raise DataError(f"{where}: field {key!r} must be a list of turns, got {type(turns).__name__}")
@@ -122,7 +150,10 @@ def normalise_record(
         if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_MAP:
             raise DataError(f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
                             "Filter or rename these turns")
-        messages.append({"role": ROLE_MAP[raw_role.strip().lower()], "content": _text_of(content, at)})
+        message: dict[str, Any] = {"role": ROLE_MAP[raw_role.strip().lower()], "content": _text_of(content, at)}
+        if fmt_name == "openai" and message["role"] == "assistant" and turn.get("token_ids") is not None:
+            message["token_ids"] = _token_ids_of(turn["token_ids"], at)
+        messages.append(message)
 
     record_system = record.get("system")
     if record_system is not None and not isinstance(record_system, str):
@@ -135,13 +166,13 @@ def normalise_record(
     return Conversation(id=cid, messages=trim_trailing(messages))
 
 
-def trim_trailing(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def trim_trailing(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Drop turns after the last assistant turn."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return messages[: last + 1]
 
 
-def check_messages(messages: list[dict[str, str]]) -> None:
+def check_messages(messages: list[dict[str, Any]]) -> None:
     """Raise `SkipRecord` unless: optional leading system, then user/assistant alternating from user,
     no empty turn, and at least one assistant turn. Strict alternation is what most chat templates
     (Mistral, Gemma, Llama-2) enforce; checking it here turns template exceptions into counted skips."""

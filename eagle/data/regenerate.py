@@ -2,18 +2,26 @@
 
 Multi-turn conversations are regenerated turn by turn: answer k is generated from the regenerated
 answers 0..k-1, so the training data is what the target would produce in that conversation
-(`ConversationJob`). Two engines run the jobs: `continuous` (default; `eagle.decode.continuous`:
-a slot freed by a finished conversation takes the next one at once, conversations in order of
-prompt length) and `generate` (a batch advances one assistant turn per round with left-padded HF
-`generate` calls).
+(`ConversationJob`). A backend runs the jobs; `regenerate()` only sees its records:
+  * `local` (`LocalBackend`, here): an HF model in this process, with one of two engines:
+    `continuous` (default; `eagle.decode.continuous`: a slot freed by a finished conversation takes the
+    next one at once, conversations in order of prompt length) or `generate` (a batch advances one
+    assistant turn per round with left-padded HF `generate` calls);
+  * `server` (`eagle.data.server.ServerBackend`): OpenAI-compatible servers answering raw completions
+    of the prompts rendered here.
+Each assistant message holds its text (the ids' decoding, stripped) and, where the ids are known (the
+local engines; servers whose engine returns them), the generated ids (`"token_ids"`, end-of-turn token
+excluded). Training tokenises an answer as these ids, not as a re-tokenisation of its text, which
+differs for many answers (`eagle.data.template`).
 
 Output: JSONL, one `{"id", "messages"}` record (OpenAI format) per conversation, readable by
 `data=local data.path=...`, in the order conversations finish. Resumable: records are appended as
 they finish with flush+fsync;
 a restart skips ids already written, drops a torn last line left by a hard kill, and refuses to mix
-outputs of different targets, generation settings or data (recorded in `<output>.meta.json`; each
-differing key is named with both values). A changed selection (`data.max_conversations`,
-`data.dedup_against`) is allowed and noted: it adds or leaves out conversations, not other answers.
+outputs of different targets, backends, served models, generation settings or data (recorded in
+`<output>.meta.json`; each differing key is named with both values). A changed selection
+(`data.max_conversations`, `data.dedup_against`) is allowed and noted: it adds or leaves out
+conversations, not other answers.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tqdm.auto import tqdm
@@ -78,8 +86,13 @@ def recover_output(path: Path) -> set[str]:
 DATA_IDENTITY = ("source", "path", "hub_split", "hub_subset", "format", "system_prompt", "max_conversations",
                  "dedup_against")
 # Settings that may change on resume: they select more or fewer conversations, not other answers
-# (ids already written are skipped either way).
-_FREE = frozenset({"data.max_conversations", "data.dedup_against"})
+# (ids already written are skipped either way). The serving engine of one served model is like the
+# local engine (continuous / generate): it changes how answers are computed, not which.
+_FREE = frozenset({"data.max_conversations", "data.dedup_against", "server_engine"})
+# Settings left out of the meta file: how the work is spread (slots, engine, server list, concurrency,
+# timeouts) does not change the answers; the backend records what does (`RegenerationBackend.start`).
+_NOT_RECORDED = frozenset({"output", "batch_size", "engine", "backend", "servers", "model", "requests_per_server",
+                           "request_timeout", "server_engine"})
 
 
 def data_identity(data: DataConfig) -> dict[str, Any]:
@@ -93,7 +106,7 @@ def data_identity(data: DataConfig) -> dict[str, Any]:
 def _settings(cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None,
               dtype: str | None = None) -> dict[str, Any]:
     # Slots and engine change how answers are computed, not which (up to low-precision numerics).
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("output", "batch_size", "engine")}
+    keep = {k: v for k, v in asdict(cfg).items() if k not in _NOT_RECORDED}
     return {"target": target_fingerprint, **({"dtype": dtype} if dtype else {}), **keep,
             **({"data": data} if data is not None else {})}
 
@@ -109,7 +122,8 @@ def _check_meta(path: Path, settings: dict[str, Any]) -> None:
     new value); allow and note a changed selection; record the settings in `<path>.meta.json`."""
     meta = regeneration_meta(path)
     if meta.exists():
-        old = json.loads(meta.read_text())
+        # A file from before backends existed was written by the local one.
+        old = {"backend": "local", **json.loads(meta.read_text())}
         if old == settings:
             return
         a, b = _flat(old), _flat(settings)
@@ -131,7 +145,11 @@ def _check_meta(path: Path, settings: dict[str, Any]) -> None:
 
 class ConversationJob(Job):
     """One conversation replayed turn by turn: each assistant turn is replaced by the target's answer
-    to the regenerated history before it. `on_done(record)` is called once, when nothing is left."""
+    to the regenerated history before it. `on_done(record)` is called once, when nothing is left.
+
+    `next_prompt()` gives the next turn's prompt ids (its text stays in `prompt_text`); the answer comes
+    back as tokens (`finish_answer`) or as text (`finish_text`, from a server that returns no ids).
+    Asking for the same turn again (after a server failed) renders the same prompt."""
 
     def __init__(self, conversation: Conversation, tokenizer: Any, cfg: RegenerateConfig,
                  on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -139,6 +157,8 @@ class ConversationJob(Job):
         self.tokenizer, self.cfg, self.on_done = tokenizer, cfg, on_done
         self.pending = list(conversation.messages)  # turns still to replay
         self.history: list[dict[str, str]] = []  # the regenerated conversation so far
+        self.token_ids: dict[int, list[int]] = {}  # history index of an answer -> its generated ids, where kept
+        self.prompt_text = ""  # the rendered prompt of the last `next_prompt()`
         self.answered = 0
         self.record: dict[str, Any] | None = None
 
@@ -151,6 +171,7 @@ class ConversationJob(Job):
             try:
                 text = render(self.tokenizer, self.history, add_generation_prompt=True)
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                self.prompt_text = text
             except TemplateFailure:
                 ids = []
             # A longer prompt ends the conversation here: training truncates at data.max_length anyway.
@@ -160,11 +181,19 @@ class ConversationJob(Job):
         self._finish()
         return None
 
-    def finish_answer(self, tokens: list[int]) -> None:
+    def finish_answer(self, tokens: list[int], keep_ids: bool = True) -> None:
+        """The answer as generated token ids (stop token excluded); `keep_ids` stores them in the record
+        beside the text, so that training reads the ids the target generated (`eagle.data.template`)."""
+        self.finish_text(self.tokenizer.decode(tokens, skip_special_tokens=True), list(tokens) if keep_ids else None)
+
+    def finish_text(self, text: str, token_ids: list[int] | None = None) -> None:
+        """The answer as text (the ids' decoding, special tokens skipped), with its ids where known."""
         self.pending.pop(0)  # the original answer is replaced
-        reply = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        reply = text.strip()
         if reply:
             self.history.append({"role": "assistant", "content": reply})
+            if token_ids is not None:
+                self.token_ids[len(self.history) - 1] = token_ids
             self.answered += 1
         else:
             self.pending = []  # stop this conversation here; the reader counts it if nothing is left
@@ -176,7 +205,10 @@ class ConversationJob(Job):
         last = max((k for k, m in enumerate(h) if m["role"] == "assistant"), default=None)
         # A trailing user turn without a reply is no training data. With no reply at all the record
         # keeps its prompt: its id marks it done for resuming and the reader counts it as skipped.
-        self.record = {"id": self.id, "messages": h[: last + 1] if last is not None else h}
+        kept = h[: last + 1] if last is not None else h
+        # The ids sit beside the text they decode to; readers keep them, and tokenisation uses them.
+        messages = [{**m, "token_ids": self.token_ids[k]} if k in self.token_ids else m for k, m in enumerate(kept)]
+        self.record = {"id": self.id, "messages": messages}
         if self.on_done is not None:
             self.on_done(self.record)
 
@@ -264,37 +296,73 @@ def first_turn_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
         return []
 
 
-def regenerate(model: Any, tokenizer: Any, conversations: list[Conversation], cfg: RegenerateConfig,
+@runtime_checkable
+class RegenerationBackend(Protocol):
+    """Where the target runs. `regenerate()` asks it who generates (`start`, recorded in the meta file, so a
+    resume elsewhere is refused) and hands it the conversations still to do (`run`, which passes every
+    finished record to `write` as soon as it is done)."""
+
+    def start(self, tokenizer: Any, cfg: RegenerateConfig) -> dict[str, Any]: ...
+
+    def run(self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
+            write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None: ...
+
+
+class LocalBackend:
+    """`regenerate.backend=local`: an HF model in this process, run by `regenerate.engine`."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def start(self, tokenizer: Any, cfg: RegenerateConfig) -> dict[str, Any]:
+        return {"backend": "local"}
+
+    def run(self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
+            write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if cfg.engine == "continuous":
+                    _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar)
+                else:
+                    for k in range(0, len(todo), cfg.batch_size):
+                        batch = todo[k:k + cfg.batch_size]
+                        torch.manual_seed(_batch_seed(cfg.seed, batch))
+                        write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids))
+        finally:
+            model.train(was_training)
+
+
+def regenerate(target: Any, tokenizer: Any, conversations: list[Conversation], cfg: RegenerateConfig,
                output: Path, target_fingerprint: str = "", progress: bool = True,
                data: DataConfig | None = None, dtype: str | None = None) -> Path:
     """Regenerate `conversations` into `output` (JSONL), resuming from what it already holds.
 
-    `data` (the settings `conversations` were read with) is recorded too, so a resume on other data
-    is refused rather than appended."""
+    `target` is an HF model (run by `LocalBackend`) or a `RegenerationBackend` (e.g.
+    `eagle.data.server.ServerBackend`). `target_fingerprint` names the target whose tokenizer and chat
+    template render the prompts. `data` (the settings `conversations` were read with) is recorded too,
+    so a resume on other data is refused rather than appended."""
+    backend = target if isinstance(target, RegenerationBackend) else LocalBackend(target)
+    who = backend.start(tokenizer, cfg)  # a server backend checks every server here, before anything is written
     output.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(output, _settings(cfg, target_fingerprint, data_identity(data) if data is not None else None, dtype))
+    settings = {**_settings(cfg, target_fingerprint, data_identity(data) if data is not None else None, dtype), **who}
+    _check_meta(output, settings)
     done = recover_output(output)
     todo = [c for c in conversations if c.id not in done]
     stop_ids = end_of_turn_ids(tokenizer)
-    was_training = model.training
-    model.eval()
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate",
                unit="conv", disable=not progress)
-    with open(output, "a", encoding="utf-8") as f:
-        def write(records: list[dict[str, Any]]) -> None:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(records))
+    try:
+        with open(output, "a", encoding="utf-8") as f:
+            def write(records: list[dict[str, Any]]) -> None:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+                bar.update(len(records))
 
-        with torch.no_grad():
-            if cfg.engine == "continuous":
-                _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar)
-            else:
-                for k in range(0, len(todo), cfg.batch_size):
-                    batch = todo[k:k + cfg.batch_size]
-                    torch.manual_seed(_batch_seed(cfg.seed, batch))
-                    write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids))
-    bar.close()
-    model.train(was_training)
+            backend.run(todo, tokenizer, cfg, stop_ids, write, bar)
+    finally:
+        bar.close()
     return output

@@ -15,6 +15,32 @@ it, and the turn is counted as a fallback.
 Character spans become token masks through the fast tokenizer's offsets (a token is an answer
 token when it starts inside the span), or, for tokenizers without offsets, by tokenising the text
 piecewise at span boundaries.
+
+Stored token ids. An assistant message may hold `token_ids`: the ids the target generated for it
+(`eagle-regenerate` writes them). Re-tokenising the answer's text often gives other ids (the record's
+content is stripped of whitespace the target generated; BPE splits a decoded text canonically, not as
+the target sampled it), so the ids win: they replace the tokens of the answer's text (`_plan_splices`).
+  * The ids must decode (special tokens skipped, stripped) to the message's content; otherwise they
+    are not this answer's (an edited text, another tokenizer's ids) and the turn's text is tokenised.
+  * On a turn located exactly, the replaced text runs from the end of the prompt (where the target
+    started generating) to the template's end-of-turn token, when what the template renders there
+    besides the content is whitespace (Llama-2's ' ' before the answer) or is in the ids too (a think
+    block the target generated): the turn is then prompt + ids + end-of-turn, as it was generated.
+    Otherwise (and on a turn located by search, where the ids must then be the content alone) only
+    the content's text is replaced; the template's text around it stays.
+  * Whitespace the record stripped comes back with the ids: an answer cut at max_new_tokens after a
+    newline ends `...\n<|im_end|>` where the template renders `...<|im_end|>`. The template's tokens
+    after it (end of turn, next turn) stay as rendered. The next answer was generated after a prompt
+    holding the stripped text, so its context here differs from the one the target saw by that
+    whitespace; kept so because the masked tokens must be what the target generated, and capture runs
+    the target over this very sequence (features and labels agree).
+  * Token boundaries: the rendering is tokenised whole, as without ids, and the tokens of the replaced
+    text (by offsets) are swapped for the ids; the mask covers the ids as it covered those tokens. A
+    token straddling the start (template text and answer merged) is re-tokenised as its template part
+    alone, as the prompt was when the target answered, where the tokenizer gives that token for its
+    text alone (no prepended space or normalisation). A token straddling the end, or a failed check,
+    leaves that turn's text tokenised and counted (`id_fallback_turns`), never a wrong splice. Without
+    offsets (slow tokenizers) the pieces between boundaries are tokenised apart, as for the mask.
 """
 
 from __future__ import annotations
@@ -35,6 +61,8 @@ class TokenizedConversation:
     loss_mask: list[int]  # 1 = assistant token (a training target), 0 = prompt / template glue
     truncated: bool
     fallback_turns: int = 0  # assistant turns located by search (template not prefix-consistent)
+    id_turns: int = 0  # assistant turns whose stored token_ids replaced their text's tokens
+    id_fallback_turns: int = 0  # assistant turns with token_ids whose text was tokenised instead (see module doc)
 
 
 class TemplateFailure(Exception):
@@ -49,9 +77,11 @@ def require_chat_template(tokenizer: Any) -> None:
         )
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     """The chat template's text for `messages` (no tokenisation)."""
     require_chat_template(tokenizer)
+    # Role and content only: the template renders the text; stored token ids are spliced in afterwards.
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TargetError:
@@ -96,11 +126,22 @@ def _specials_right_after(text: str, pos: int, specials: list[str]) -> int:
     return pos
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]], int]:
-    """(full rendering, character spans of the assistant answers, number of fallback turns)."""
+@dataclass(frozen=True)
+class _Answer:
+    """Where assistant message `index` sits in the full rendering (character positions)."""
+
+    index: int
+    span: tuple[int, int]  # the masked text: answer, template text around it, end-of-turn tokens
+    content: tuple[int, int]  # the (stripped) content
+    exact: bool  # located through its prompt (span[0] is where the target started generating), not by search
+    end_of_turn: int  # where the special tokens after the content start (the content's end if none follow)
+
+
+def _locate_answers(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[_Answer], int]:
+    """(full rendering, where each located assistant answer is, number of fallback turns)."""
     full = render(tokenizer, messages, add_generation_prompt=False)
     specials = special_token_strings(tokenizer)
-    spans: list[tuple[int, int]] = []
+    answers: list[_Answer] = []
     fallbacks = 0
     cursor = 0  # search start for fallback turns, so repeated contents map to successive turns
     for i, m in enumerate(messages):
@@ -117,7 +158,8 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tupl
         if found >= 0 and full.startswith(upto):
             content_end = found + len(content)
             end = content_end + _end_of_tail(upto[content_end:], specials)
-            spans.append((len(prompt), end))
+            eot = min((k for sp in specials if (k := upto.find(sp, content_end, end)) >= 0), default=content_end)
+            answers.append(_Answer(i, (len(prompt), end), (found, content_end), True, eot))
             cursor = end
             continue
         fallbacks += 1
@@ -125,9 +167,63 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tupl
         if found < 0:
             continue  # the template rewrote the content: this turn stays unmasked (and is counted)
         end = _specials_right_after(full, found + len(content), specials)
-        spans.append((found, end))
+        answers.append(_Answer(i, (found, end), (found, found + len(content)), False, found + len(content)))
         cursor = end
-    return full, spans, fallbacks
+    return full, answers, fallbacks
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]], int]:
+    """(full rendering, character spans of the assistant answers, number of fallback turns)."""
+    full, answers, fallbacks = _locate_answers(tokenizer, messages)
+    return full, [a.span for a in answers], fallbacks
+
+
+@dataclass(frozen=True)
+class _Splice:
+    """The tokens of text[start:end] are replaced by `ids` (an answer's stored token ids)."""
+
+    start: int
+    end: int
+    ids: list[int]
+
+
+def _splice_range(tokenizer: Any, text: str, answer: _Answer, content: str, ids: list[int]) -> tuple[int, int] | None:
+    """The characters of `text` that `ids` replace, or None when the ids cannot stand for this answer
+    (the rules are in the module docstring)."""
+    vocab = len(tokenizer)
+    if not all(0 <= t < vocab for t in ids):
+        return None  # ids of another (larger) vocabulary
+    if tokenizer.decode(ids, skip_special_tokens=True).strip() != content:
+        return None  # not the ids of this text: ConversationJob writes exactly this decoding, stripped
+    with_specials = tokenizer.decode(ids, skip_special_tokens=False).strip()
+    c_start, c_end = answer.content
+    if answer.exact:
+        start, end = answer.span[0], answer.end_of_turn
+        glue = text[start:c_start] + text[c_end:end]
+        if not glue.strip() or with_specials == text[start:end].strip():
+            return start, end
+    # The template's own text around the content stays: the ids must be the content alone, or a
+    # think block (say) in both would be doubled.
+    return answer.content if with_specials == content else None
+
+
+def _plan_splices(tokenizer: Any, text: str, messages: list[dict[str, Any]],
+                  answers: list[_Answer]) -> tuple[list[_Splice], int]:
+    """(the splices of the assistant messages that hold token ids, in text order; how many such messages
+    keep their text because their ids cannot be spliced)."""
+    located = {a.index: a for a in answers}
+    splices: list[_Splice] = []
+    refused = 0
+    for i, m in enumerate(messages):
+        ids = m.get("token_ids")
+        if m["role"] != "assistant" or not ids:
+            continue
+        where = _splice_range(tokenizer, text, located[i], m["content"].strip(), ids) if i in located else None
+        if where is None:
+            refused += 1
+        else:
+            splices.append(_Splice(where[0], where[1], list(ids)))
+    return splices, refused
 
 
 def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -169,6 +265,106 @@ def tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]],
     return ids, mask
 
 
+def _splice_with_offsets(tokenizer: Any, text: str, spans: list[tuple[int, int]],
+                         splices: list[_Splice]) -> tuple[list[int], list[int], int, int]:
+    """`tokenize_with_mask` by offsets, then each splice's tokens swapped for its ids (module docstring).
+    Returns (ids, mask, splices made, splices refused at a token boundary); a splice that starts past the
+    end of `text` (a prefix cut for truncation) is neither."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    offsets = [tuple(o) for o in enc["offset_mapping"]]
+    mask = _mask_from_offsets(offsets, spans)
+    # A token's start moves back over a gap after the tokens before it, so an offset trimmed of its
+    # leading whitespace (a post-processor's trim_offsets) still covers that whitespace. (Tokens holding
+    # bytes of one character share its offsets: they overlap, and keep their own start.)
+    starts: list[int] = []
+    ends: list[int] = []
+    reach = 0  # the furthest end so far
+    for start, end in offsets:
+        starts.append(min(start, reach))
+        ends.append(max(end, starts[-1]))
+        reach = max(reach, end)
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    made = refused = 0
+    j = 0  # tokens before j are in the output
+    n = len(ids)
+    for sp in splices:
+        if sp.start >= len(text):
+            break
+        a = j
+        while a < n and ends[a] <= sp.start:
+            a += 1
+        head: tuple[list[int], list[int]] = ([], [])
+        if a < n and starts[a] < sp.start:
+            # One token holds the end of the template's text and the start of the answer. Its template part
+            # is tokenised alone (as the prompt was when the target answered), if the tokenizer gives this
+            # token for its text alone: one that prepends a space or normalises pieces would not.
+            x, y = starts[a], ends[a]
+            if y > sp.end or list(tokenizer(text[x:y], add_special_tokens=False)["input_ids"]) != [ids[a]]:
+                refused += 1
+                continue
+            head = tokenize_with_mask(tokenizer, text[x:sp.start], [(s - x, e - x) for s, e in spans], True)
+        b = a
+        while b < n and starts[b] < sp.end:
+            b += 1
+        if max(ends[a:b], default=sp.end) > sp.end:
+            refused += 1  # a token runs from the answer into the template's text after it
+            continue
+        out_ids += ids[j:a] + head[0] + sp.ids
+        out_mask += mask[j:a] + head[1] + [1] * len(sp.ids)
+        j = b
+        made += 1
+    return out_ids + ids[j:], out_mask + mask[j:], made, refused
+
+
+def _splice_piecewise(tokenizer: Any, text: str, spans: list[tuple[int, int]],
+                      splices: list[_Splice]) -> tuple[list[int], list[int], int, int]:
+    """Without offsets: the pieces between span and splice boundaries tokenised apart (as the prompt and
+    the answer are at inference), each splice's ids in place of its piece. Returns as `_splice_with_offsets`."""
+    ids: list[int] = []
+    mask: list[int] = []
+
+    def add(piece: str, flag: int) -> None:
+        if piece:
+            piece_ids = list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            ids.extend(piece_ids)
+            mask.extend([flag] * len(piece_ids))
+
+    made = k = pos = 0
+    for start, end in spans:
+        add(text[pos:start], 0)
+        pos = start
+        while k < len(splices) and splices[k].start < end:  # the splices inside this span
+            sp = splices[k]
+            k += 1
+            add(text[pos:sp.start], 1)
+            if sp.start >= len(text):
+                return ids, mask, made, 0
+            ids.extend(sp.ids)
+            mask.extend([1] * len(sp.ids))
+            made += 1
+            if sp.end >= len(text):  # the (cut) text ends inside this answer
+                return ids, mask, made, 0
+            pos = sp.end
+        add(text[pos:end], 1)
+        pos = end
+    add(text[pos:], 0)
+    return ids, mask, made, 0
+
+
+def _tokenize_spliced(tokenizer: Any, text: str, spans: list[tuple[int, int]], splices: list[_Splice],
+                      use_offsets: bool | None) -> tuple[list[int], list[int], int, int]:
+    """(ids, mask, splices made, splices refused at a token boundary) of `text`."""
+    if use_offsets is None:
+        use_offsets = bool(getattr(tokenizer, "is_fast", False))
+    if not splices:  # no stored ids: exactly the text's tokens
+        return *tokenize_with_mask(tokenizer, text, spans, use_offsets), 0, 0
+    if use_offsets:
+        return _splice_with_offsets(tokenizer, text, spans, splices)
+    return _splice_piecewise(tokenizer, text, spans, splices)
+
+
 _CUT_MARGIN_TOKENS = 64  # tokens tokenised past max_length, so the cut of the text never shows in the kept part
 
 
@@ -178,9 +374,11 @@ def tokenize_with_reason(
     """Like `tokenize_conversation`, also saying why a conversation was dropped:
     'too_long' (overflow=drop), 'empty_loss_mask', or 'template_error'."""
     try:
-        text, spans, fallbacks = assistant_char_spans(tokenizer, conv.messages)
+        text, answers, fallbacks = _locate_answers(tokenizer, conv.messages)
     except TemplateFailure:
         return None, "template_error"
+    spans = [a.span for a in answers]
+    splices, unusable = _plan_splices(tokenizer, text, conv.messages, answers)
     # ShareGPT turns run to 100k characters; with max_length in the thousands most of that text is
     # cut anyway. Tokenise a prefix of the text that yields a margin of tokens past max_length (a cut
     # only changes tokens of the last word), doubling it while it is short, instead of everything.
@@ -188,7 +386,7 @@ def tokenize_with_reason(
     n_chars = 8 * limit
     while True:
         piece = text if n_chars >= len(text) else text[:n_chars]
-        ids, mask = tokenize_with_mask(tokenizer, piece, spans, use_offsets)
+        ids, mask, spliced, refused = _tokenize_spliced(tokenizer, piece, spans, splices, use_offsets)
         if piece is text or len(ids) > limit:
             break
         n_chars *= 2
@@ -199,7 +397,7 @@ def tokenize_with_reason(
         ids, mask = ids[:max_length], mask[:max_length]
     if not any(mask):
         return None, "empty_loss_mask"
-    return TokenizedConversation(conv.id, ids, mask, truncated, fallbacks), None
+    return TokenizedConversation(conv.id, ids, mask, truncated, fallbacks, spliced, unusable + refused), None
 
 
 def tokenize_conversation(
@@ -207,6 +405,7 @@ def tokenize_conversation(
 ) -> TokenizedConversation | None:
     """Render `conv` with the tokenizer's chat template and mask the assistant tokens.
 
+    An assistant message's stored `token_ids` replace the tokens of its text (module docstring).
     Returns None when the conversation is dropped: longer than `max_length` with overflow='drop',
     no assistant token left (e.g. truncated before the first answer), or the template rejected it.
     `eagle.data.dataset.build_splits` counts each case.

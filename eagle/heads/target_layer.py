@@ -29,6 +29,7 @@ from torch import nn
 
 from eagle.config import ConfigError
 from eagle.heads.layers import DecoderLayer
+from eagle.targets import decoder_layer_stacks, text_config
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,9 @@ _FUSED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # read ca
 
 def target_decoder_layers(target_model: nn.Module) -> nn.ModuleList:
     """The target's stack of decoder layers: the ModuleList as long as `config.num_hidden_layers`."""
-    text = getattr(target_model.config, "text_config", None) or target_model.config
-    n = int(text.num_hidden_layers)
-    stacks = [m for _, m in target_model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    stacks = decoder_layer_stacks(target_model)
     if len(stacks) != 1:
+        n = text_config(target_model.config).num_hidden_layers
         raise ConfigError(f"train.init_layer_from_target: found {len(stacks)} module lists of "
                           f"{n} layers in {type(target_model).__name__}, expected exactly one; "
                           "drop the option for this target")

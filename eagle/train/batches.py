@@ -25,11 +25,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from eagle.capture.features import idle_forward
 from eagle.capture.reader import CaptureDataset, ShardShuffleSampler, collate
 from eagle.capture.store import member_path
 from eagle.config import ConfigError
 from eagle.errors import CaptureError
 from eagle.heads.vocab import count_tokens
+from eagle.shard import is_sharded
 
 
 class SplitData(Protocol):
@@ -45,6 +47,8 @@ class SplitData(Protocol):
     def lengths(self) -> list[int]: ...
 
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]: ...
+
+    def idle_forward(self, device: torch.device) -> None: ...
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -79,6 +83,9 @@ class OfflineSplit:
         # rejects them), and float32 keeps the soft labels' LM-head input exact.
         return {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v)
                 for k, v in batch.items()}
+
+    def idle_forward(self, device: torch.device) -> None:
+        """Nothing: features come from disk, no target forward to keep in step."""
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """Loss-mask token counts [V] of this split, read from the shards' ids (no features)."""
@@ -138,6 +145,12 @@ class OnlineSplit:
         # Inference tensors cannot be saved for backward; a clone outside inference mode can.
         batch.update({k: v.clone() for k, v in feats.items()})
         return batch
+
+    def idle_forward(self, device: torch.device) -> None:
+        """A dropped target forward where the target is sharded (target.shard=fsdp), for a rank that has
+        fewer batches than another: every rank must run as many target forwards."""
+        if is_sharded(self.target):
+            idle_forward(self.target, device)
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -266,6 +279,12 @@ class BatchStream:
             ids.extend(batch["ids"])
             micro.append(batch)
         return micro, ids
+
+
+def eval_batch_count(num_items: int, split_size: int, micro_size: int, world_size: int) -> int:
+    """The most micro-batches `eval_batches` gives any rank: rank 0's (it takes items 0, W, 2W, ...)."""
+    per_rank = -(-min(num_items, split_size) // world_size)
+    return -(-per_rank // micro_size)
 
 
 def eval_batches(

@@ -16,7 +16,7 @@ from eagle.algorithms import get_algorithm
 from eagle.config import RootConfig
 from eagle.errors import TrainingError
 from eagle.heads.base import DraftHead
-from eagle.train.batches import eval_batches
+from eagle.train.batches import eval_batch_count, eval_batches
 from eagle.train.metrics import MetricSums
 
 
@@ -31,14 +31,19 @@ def evaluate_heldout(head: DraftHead, lm_head: nn.Module, split: Any, cfg: RootC
     sums = MetricSums()
     was_training = head.training
     head.eval()
+    num_items, done = t.eval_batches * t.batch_size, 0
     try:
-        for batch in eval_batches(split, t.eval_batches * t.batch_size, micro, t.max_length, pad_id,
+        for batch in eval_batches(split, num_items, micro, t.max_length, pad_id,
                                   accelerator.process_index, accelerator.num_processes):
             batch = split.featurize(batch, accelerator.device)
+            done += 1
             with accelerator.autocast():
                 parts = algo.forward_loss(head, lm_head, batch, settings, norms=None)
             sums.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
                      float(batch["attention_mask"].sum()))
+        # Ranks can hold one micro-batch fewer than rank 0; a sharded target's forwards must stay in step.
+        for _ in range(eval_batch_count(num_items, len(split), micro, accelerator.num_processes) - done):
+            split.idle_forward(accelerator.device)
     finally:
         head.train(was_training)
     if not sums.step_tokens:  # this rank had no held-out items: contribute zeros to the reduce

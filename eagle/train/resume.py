@@ -9,8 +9,9 @@ with the new config, key by key:
               target, seeds. Any difference refuses the resume with a `CheckpointError` naming
               each key with its old and new value and the two ways out.
   free        keys that do not: `train.max_steps` (train longer or stop earlier), eval / save /
-              log cadence, checkpoints kept, the non-finite policy, the logger, and settings the
-              run's mode never reads (data.* offline, train.data_dir online). Allowed and logged.
+              log cadence, checkpoints kept, the non-finite policy, the logger, `target.shard` (whole
+              or sharded target: the same features, like another number of processes), and settings
+              the run's mode never reads (data.* offline, train.data_dir online). Allowed and logged.
   ignored     other stages' settings (decode, eval, export, publish, regenerate) and places
               (output_dir, device, draft.path, target.cache_dir).
 
@@ -40,6 +41,9 @@ from eagle.train.checkpoint import RUN_CONFIG, read_state
 FREE_KEYS = frozenset({
     "train.max_steps", "train.max_minutes", "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints",
     "train.log_every", "train.resume", "train.nonfinite",
+    # Where the target's weights live (whole or sharded over the processes), like the number of processes:
+    # the same features either way.
+    "target.shard",
 })
 # Settings training never reads, or that only say where things are.
 IGNORED_SECTIONS = ("regenerate", "decode", "eval", "export", "publish", "logger")

@@ -60,9 +60,10 @@ def make_accelerator(cfg: RootConfig) -> Any:
     # group without the cpu flag and turn a multi-process CPU launch into N single processes.
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ConfigError(
-            f"eagle-train runs data-parallel (DDP) only; the accelerate config asks for "
+            f"eagle-train runs the draft head data-parallel (DDP) only; the accelerate config asks for "
             f"{accelerator.distributed_type.value}. Re-run `accelerate config` choosing multi-GPU without "
-            "FSDP/DeepSpeed (the head is one layer: it needs no sharding)"
+            "FSDP/DeepSpeed (the head is one layer: it needs no sharding); to shard a target too large for "
+            "one device, set target.shard=fsdp (FSDP2 over the same processes)"
         )
     return accelerator
 

@@ -23,8 +23,11 @@ Multi-GPU / multi-node: `accelerate launch [--config_file cfg.yaml] -m eagle.cli
 `eagle-train` under `torchrun`); the data-parallel setup (DDP, number of processes and machines,
 mixed precision default) comes from the accelerate config file written by `accelerate config`.
 `train.batch_size` stays the GLOBAL batch. A draft head is one decoder layer (+ its LM head), so
-DDP fits it on any accelerator that fits the target; FSDP and DeepSpeed configs are refused because
-evaluation and checkpointing here use the unsharded head.
+the head is always replicated (DDP); accelerate's FSDP and DeepSpeed configs are refused because
+evaluation and checkpointing here use the unsharded head. A target too large for one device is
+sharded instead with `target.shard=fsdp` (eagle/shard.py): every training step gives each rank the
+same number of micro-batches, so the sharded forwards stay in step; held-out evaluation adds idle
+forwards (`eagle.train.heldout`).
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class TrainRecipe:
     def setup(self) -> None:
         """Accelerator, resume decision, target, data, head, optimizer, schedule, state, batches, tracker."""
         from eagle.heads.io import build_head, head_config_from_target, load_head
-        from eagle.targets import load_target
+        from eagle.shard import load_placed_target
         from eagle.tracking import Tracker
 
         cfg, t = self.cfg, self.cfg.train
@@ -173,7 +176,9 @@ class TrainRecipe:
         self.resume_from = checkpoint_to_resume(cfg, log=print if acc.is_main_process else None)
         self.resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
 
-        target, tokenizer, info = load_target(cfg.target, device=self.device)
+        # target.shard=fsdp: decoder layers sharded; the embeddings, final norm and LM head the head reads
+        # below (build_head, freeze_lm_head, self.lm_head) stay whole in every process (eagle/shard.py).
+        target, tokenizer, info = load_placed_target(cfg.target, device=self.device)
         head_cfg = head_config_from_target(target.config, cfg.draft, info)
         aux = list(head_cfg.aux_layer_ids)
         self.train_split, self.held_split = _build_data(cfg, target, tokenizer, info, aux, acc)
@@ -239,9 +244,11 @@ class TrainRecipe:
     def _start_from_target_layer(self, head: DraftHead, target: nn.Module, index: int) -> None:
         """`train.init_layer_from_target`: the fresh head's decoder layer from a target layer."""
         from eagle.heads.target_layer import pick_target_layer
+        from eagle.shard import gathered
 
         layer_id, layer = pick_target_layer(target, index)
-        left = head.start_from_target_layer(layer)
+        with gathered(layer):  # target.shard=fsdp: the whole layer on every rank for the copy
+            left = head.start_from_target_layer(layer)
         if self.accelerator.is_main_process:
             print(f"eagle-train: decoder layer initialised from the target's layer {layer_id}"
                   + (f" (left out: {', '.join(left)})" if left else ""))
