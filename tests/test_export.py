@@ -134,8 +134,10 @@ def test_eagle1_export_keys_and_round_trip(fmt, heads, target, tmp_path):
 
 
 def test_speculators_rejects_eagle1(heads, tmp_path):
-    with pytest.raises(ExportError, match="format=speculators cannot express an EAGLE-1 head; export it with format=vllm"):
+    with pytest.raises(ExportError, match=r"format=speculators cannot express an EAGLE-1 head \(speculators 0\.9\.0 "
+                                          r"has no EAGLE-1 model.*\); export it with format=vllm \| sglang \| hf$"):
         export_head(heads["eagle1"], tmp_path / "s", "speculators")
+    assert not (tmp_path / "s").exists()
 
 
 def test_float16_export_dtypes_and_close_outputs(heads, target, tmp_path):
@@ -310,11 +312,13 @@ def eagle31(target):
     return head.eval()
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "hf"])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators", "hf"])
 def test_eagle31_head_exports_its_norms_and_round_trips(fmt, eagle31, target, tmp_path):
     export_head(eagle31, tmp_path / fmt, fmt, dtype="float32", target_path="org/target-model")
     cfg = _config(tmp_path / fmt)
-    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # the names vLLM's Eagle3LlamaForCausalLM reads
+    # The names vLLM's Eagle3LlamaForCausalLM, SGLang's LlamaForCausalLMEagle3 (0.5.23) and speculators'
+    # Eagle3SpeculatorConfig (0.9.0) read: top-level config keys, fc_norm.{i}.weight tensors.
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= _keys(tmp_path / fmt)
     loaded = load_exported_head(tmp_path / fmt, target)
     assert loaded.config.fc_norm and loaded.config.norm_output
@@ -327,12 +331,12 @@ def test_eagle31_head_exports_its_norms_and_round_trips(fmt, eagle31, target, tm
     assert third.fc_norm and third.norm_output
 
 
-@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
-def test_eagle31_head_is_refused_by_formats_that_cannot_express_it(fmt, eagle31, tmp_path):
-    with pytest.raises(ExportError, match=rf"format={fmt} cannot express the EAGLE-3.1 option\(s\) fc_norm, "
-                                          "norm_output.*format=vllm \\| hf"):
-        export_head(eagle31, tmp_path / fmt, fmt, dtype="float32", target_path="org/target-model")
-    assert not (tmp_path / fmt / "model.safetensors").exists()
+def test_eagle31_head_is_refused_by_llamacpp(eagle31, tmp_path):
+    with pytest.raises(ExportError, match=r"format=llamacpp cannot serve this head: fc_norm=true: llama\.cpp b11434 .*; "
+                                          r"norm_output=true: llama\.cpp b11434 .*; export it with format=vllm \| "
+                                          r"sglang \| speculators \| hf$"):
+        export_head(eagle31, tmp_path / "l", "llamacpp", dtype="float32", target_path="org/target-model")
+    assert not (tmp_path / "l").exists()
 
 
 def test_plain_eagle3_exports_do_not_name_the_eagle31_options(heads, tmp_path):

@@ -158,6 +158,23 @@ def test_speculators_card_names_verifier_and_stored_embedding(run_dir, tiny_targ
     assert f"{head.config.vocab_size} x {head.config.hidden_size} x 2 bytes = {mib:.1f} MiB" in body
 
 
+def test_llamacpp_hub_folder_has_portable_commands(run_dir, tmp_path):
+    """format=llamacpp: the vLLM folder + LLAMACPP.md; a folder for the Hub names placeholders, never this
+    machine's paths (the output folder, the target's converted folder)."""
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", "format=llamacpp",
+                           "export.speculative_tokens=3"))
+    check_folder(hub, expect_format="llamacpp", dtype="float16")
+    guide = (hub / "LLAMACPP.md").read_text()
+    assert ("python convert_hf_to_gguf.py HEAD_DIR --target-model-dir TARGET_HF_DIR --outtype f16 "
+            "--outfile HEAD_DIR/head.gguf") in guide
+    assert "llama-server -m target.gguf --spec-draft-model HEAD_DIR/head.gguf --spec-type draft-eagle3 " \
+           "--spec-draft-n-max 3" in guide
+    assert str(tmp_path) not in guide
+    meta, body = _card(hub)
+    assert meta["library_name"] == "vllm" and "llamacpp" in meta["tags"]
+    assert "[LLAMACPP.md](LLAMACPP.md)" in body and "--spec-draft-n-max 3" in body
+
+
 def test_measured_chain_length_reaches_the_config_and_the_serving_command(run_dir, tmp_path):
     """export.speculative_tokens (the fastest k a vLLM check measured) is what a speculators config and the
     card's `vllm serve` line advertise; without it both follow decode.tree_depth."""

@@ -195,10 +195,10 @@ def test_capture_refusal_names_every_differing_key(tmp_path):
     capture(model, small, tmp_path, data=data)
     other = {"fingerprint": "e" * 64, "config": {"max_conversations": 5, "path": "a.jsonl"}}
     with pytest.raises(CaptureError) as e:
-        capture(model, small, tmp_path, data=other, shard_size=5, dtype="bfloat16")
+        capture(model, small, tmp_path, data=other, shard_size=5, dtype="float16")
     message = str(e.value)
     assert "shard_size (capture.shard_size): 4 -> 5" in message
-    assert "dtype (capture.dtype): 'float16' -> 'bfloat16'" in message
+    assert "dtype (capture.dtype): 'bfloat16' -> 'float16'" in message
     assert "data.max_conversations: 3 -> 5" in message
     assert "new output_dir" in message and "move" in message
 

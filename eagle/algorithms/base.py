@@ -21,9 +21,18 @@ from torch import nn
 
 from eagle.algorithms.losses import eagle3_loss_packed, shift_left, step_loss_mask
 from eagle.config import DraftConfig, TrainConfig
+from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
 
 Number = torch.Tensor | float
+
+# Engines whose draft layer has a SiLU MLP only (read in their code): a head with another activation
+# would fail to load there (vLLM, SGLang) or run SiLU in its place (llama.cpp).
+_SILU_ONLY = {
+    "vllm": "vLLM 0.32's LlamaMLP accepts only silu (vllm/model_executor/models/llama.py line 112)",
+    "sglang": "SGLang 0.5.23's LlamaMLP accepts only silu (sglang/srt/models/llama.py line 116)",
+    "llamacpp": "llama.cpp b11434's draft-eagle3 layer always runs SiLU (src/models/eagle3.cpp line 274, LLM_FFN_SILU)",
+}
 
 
 @dataclass
@@ -106,6 +115,9 @@ class Algorithm(ABC):
     # Export: formats that can express the head, the `architectures` entry each one writes, the
     # names that identify the algorithm in a config.json written elsewhere, and the runtimes' names.
     export_formats: ClassVar[tuple[str, ...]]
+    # Why each known format outside `export_formats` cannot serve the algorithm (the engine and the code
+    # read), so a refusal says more than "no"; docs/serving.md keeps the same table.
+    format_refusals: ClassVar[dict[str, str]] = {}
     architectures: ClassVar[dict[str, str]]
     known_architectures: ClassVar[tuple[str, ...]]
     speculators_model_type: ClassVar[str | None] = None  # None: no speculators format
@@ -168,8 +180,26 @@ class Algorithm(ABC):
         """Our tensors as `fmt` keeps them (before renaming); refuses what `fmt` cannot express."""
         return tensors
 
-    def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:  # noqa: B027 (a hook: no options, nothing to refuse)
-        """Refuse (ExportError) a head option that format `fmt` cannot express."""
+    def export_refusals(self, cfg: HeadConfig, fmt: str) -> list[str]:
+        """Why format `fmt` (one of `export_formats`) cannot serve a head of `cfg`: one reason per head
+        option, each naming the option and the engine; empty when it can."""
+        if cfg.hidden_act != "silu" and fmt in _SILU_ONLY:
+            return [f"hidden_act={cfg.hidden_act}: {_SILU_ONLY[fmt]}"]
+        return []
+
+    def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:
+        """Refuse (ExportError) a head that format `fmt` cannot serve, with every reason and the formats
+        that can. Called before anything is written."""
+        if fmt not in self.export_formats:
+            reason = self.format_refusals.get(fmt)
+            raise ExportError(f"format={fmt} cannot express an {self.title} head" + (f" ({reason})" if reason else "")
+                              + "; export it with format=" + " | ".join(self.export_formats))
+        problems = self.export_refusals(cfg, fmt)
+        if problems:
+            # The engine would build the head without these parts and draft from other values: refuse.
+            serving = [f for f in self.export_formats if not self.export_refusals(cfg, f)]
+            raise ExportError(f"format={fmt} cannot serve this head: " + "; ".join(problems)
+                              + ("; export it with format=" + " | ".join(serving) if serving else ""))
 
     @abstractmethod
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:

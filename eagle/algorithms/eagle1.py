@@ -5,7 +5,7 @@ Loss (training): smooth-L1 on the predicted feature f_{t+1} + soft CE of the tar
 on noisy input features (`eagle.algorithms.losses.eagle1_loss`), one step. Held-out evaluation also
 unrolls the head on its own predictions to report acc_1.. (soft CE per step, no feature noise).
 Export: vLLM `EagleLlamaForCausalLM` (fc without bias), SGLang `LlamaForCausalLMEagle` (fc with
-bias); no speculators format.
+bias); no speculators or llama.cpp format (neither engine has an EAGLE-1 draft).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class Eagle1(Algorithm):
     title: ClassVar[str] = "EAGLE-1"
     head_class: ClassVar[type[DraftHead]] = Eagle1Head
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "hf")
+    format_refusals: ClassVar[dict[str, str]] = {
+        "speculators": "speculators 0.9.0 has no EAGLE-1 model (it registers eagle3, peagle, dflash, dflash2, "
+                       "dspark, mtp and xpress: speculators/models/*/core.py)",
+        "llamacpp": "llama.cpp b11434 has no EAGLE-1 draft (convert_hf_to_gguf.py registers only the EAGLE-3 "
+                    "architectures, conversion/llama.py; --spec-type offers draft-eagle3, common/speculative.cpp)",
+    }
     architectures: ClassVar[dict[str, str]] = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle",
                                                "hf": "EagleLlamaForCausalLM"}
     known_architectures: ClassVar[tuple[str, ...]] = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")

@@ -5,7 +5,8 @@ convention) plus the final state, whose LM-head logits are the soft labels.
 Loss: `ttt_steps`-step unroll on the head's own outputs, sum_i decay^i soft CE against the target's
 distribution restricted to the draft vocabulary (`eagle.algorithms.losses.eagle3_loss`).
 Export: vLLM / SGLang `LlamaForCausalLMEagle3`, speculators `Eagle3Speculator` (which renames
-`midlayer.` to `layers.0.`), aux ids top-level (vLLM) or in SGLang's `eagle_config` (ids - 1).
+`midlayer.` to `layers.0.`), aux ids top-level (vLLM) or in SGLang's `eagle_config` (ids - 1);
+llama.cpp gets the vLLM folder plus the commands that convert and serve it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from torch import nn
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
 from eagle.algorithms.losses import packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
-from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.eagle3 import Eagle3Head
 
@@ -29,9 +29,10 @@ class Eagle3(Algorithm):
     name: ClassVar[str] = Eagle3Head.algorithm
     title: ClassVar[str] = "EAGLE-3"
     head_class: ClassVar[type[DraftHead]] = Eagle3Head
-    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "speculators", "hf")
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "speculators", "hf", "llamacpp")
+    # llamacpp: the vLLM folder, which llama.cpp's converter reads under this name (conversion/llama.py).
     architectures: ClassVar[dict[str, str]] = {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",
-                                               "hf": "LlamaForCausalLMEagle3"}
+                                               "hf": "LlamaForCausalLMEagle3", "llamacpp": "LlamaForCausalLMEagle3"}
     known_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
     speculators_model_type: ClassVar[str | None] = "eagle3"
     vllm_method: ClassVar[str] = "eagle3"
@@ -95,16 +96,29 @@ class Eagle3(Algorithm):
         return {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
                 "t2d": torch.ones(cfg.vocab_size, dtype=torch.bool)}
 
-    # vLLM's Eagle3LlamaForCausalLM reads `fc_norm` / `norm_output` (vllm 0.32, llama_eagle3.py); SGLang's
-    # LlamaForCausalLMEagle3 and the speculators library's Eagle3 model have no such options.
-    _NORM_FORMATS = ("vllm", "hf")
-
-    def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:
-        options = [name for name in ("fc_norm", "norm_output") if getattr(cfg, name)]
-        if options and fmt not in self._NORM_FORMATS:
-            raise ExportError(f"format={fmt} cannot express the EAGLE-3.1 option(s) {', '.join(options)} of this "
-                              f"head (its runtime would build the head without them and draft from other "
-                              f"values); export with format={' | '.join(self._NORM_FORMATS)}")
+    # What each engine cannot express of an EAGLE-3 head, read in its code (docs/serving.md keeps the
+    # table with the files and lines). vLLM 0.32, SGLang 0.5.23 and speculators 0.9.0 build `fc_norm.{i}`
+    # and `norm_output` from the config keys of those names, so those formats serve both options.
+    def export_refusals(self, cfg: HeadConfig, fmt: str) -> list[str]:
+        out = super().export_refusals(cfg, fmt)
+        if fmt == "llamacpp":
+            if cfg.fc_norm:
+                out.append("fc_norm=true: llama.cpp b11434 has no per-layer norm before fc; its converter knows "
+                           "one norm_before_fc over the whole concatenation of the aux layers and stops at "
+                           "'fc_norm.0.weight' (convert_hf_to_gguf.py: conversion/llama.py LlamaModel."
+                           "modify_tensors), and src/models/eagle3.cpp has no per-layer norms")
+            if cfg.norm_output:
+                out.append("norm_output=true: llama.cpp b11434 feeds the pre-norm state back (src/models/eagle3.cpp "
+                           "sets t_h_nextn before output_norm) and its converter never reads norm_output "
+                           "(conversion/llama.py), so the GGUF would silently draft from other values")
+            if cfg.attention_bias:
+                out.append("attention_bias=true: llama.cpp b11434's draft-eagle3 layer has no q/k/v/o biases "
+                           "(src/models/eagle3.cpp load_arch_tensors)")
+        if fmt == "speculators" and cfg.target_hidden_size != cfg.hidden_size:
+            out.append(f"target_hidden_size={cfg.target_hidden_size} != hidden_size={cfg.hidden_size}: speculators "
+                       "0.9.0 sizes fc and fc_norm from the draft's hidden size (speculators/models/eagle3/core.py "
+                       "Eagle3DraftModel.__init__)")
+        return out
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,

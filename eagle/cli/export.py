@@ -1,4 +1,4 @@
-"""`eagle-export`: write a trained head as a vLLM / SGLang / speculators / hf folder, or check one.
+"""`eagle-export`: write a trained head as a vLLM / SGLang / speculators / hf / llama.cpp folder, or check one.
 
     eagle-export draft.path=outputs/run format=vllm output_dir=exports/vllm [export.dtype=bfloat16]
     eagle-export --check exports/vllm        # validate a folder made here or elsewhere

@@ -1,4 +1,4 @@
-"""Export trained heads for vLLM / SGLang / speculators / the Hub, validate folders, load them back."""
+"""Export trained heads for vLLM / SGLang / speculators / llama.cpp / the Hub, validate folders, load them back."""
 
 from eagle.export.exporter import export_head, resolve_head_source, run_export, write_export
 from eagle.export.formats import FORMATS

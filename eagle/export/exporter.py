@@ -1,9 +1,10 @@
 """`eagle-export`: a trained head -> a folder a serving runtime (or the Hub) loads directly.
 
-The export works on tensors and the `HeadConfig`, never on runtime code: rename per format, cast
-floating tensors to `export.dtype` (vocab maps keep int64 / bool), write config.json (+ our
-head_config.json for format=hf) into a temporary folder, validate that folder with the same
-checks `eagle-export --check` runs, and only then move the files into `output_dir`.
+The export works on tensors and the `HeadConfig`, never on runtime code: refuse a head the format's
+engine cannot serve (before anything is read or written), rename per format, cast floating tensors to
+`export.dtype` (vocab maps keep int64 / bool), write config.json (+ our head_config.json for format=hf,
+LLAMACPP.md for format=llamacpp) into a temporary folder, validate that folder with the same checks
+`eagle-export --check` runs, and only then move the files into `output_dir`.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from eagle.export.formats import (
     CONFIG_FILE,
     FORMATS,
     HEAD_CONFIG_FILE,
+    LLAMACPP_FILE,
+    LLAMACPP_GGUF,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
     algorithm_of,
     build_config,
+    check_servable,
     expected_tensors,
     hub_id_for_target,
     to_format_name,
 )
+from eagle.export.llamacpp import llamacpp_guide, local_target, portable_target
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.fileio import safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
@@ -39,8 +44,10 @@ from eagle.precision import DTYPES as _DTYPES
 
 log = logging.getLogger(__name__)
 
-# Files an earlier export into the same folder may have left; removed so formats never mix.
-_HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin", CONFIG_FILE, HEAD_CONFIG_FILE)
+# Files an earlier export into the same folder may have left; removed so formats never mix (and a GGUF
+# converted from the old weights is never served beside the new ones).
+_HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin", CONFIG_FILE, HEAD_CONFIG_FILE,
+               LLAMACPP_FILE, LLAMACPP_GGUF)
 
 
 def resolve_head_source(path: str | Path) -> tuple[Path, Path | None]:
@@ -181,14 +188,17 @@ def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, 
 def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: str | Path, fmt: str,
                  dtype: str = "float16", target_path: str | None = None, speculative_tokens: int = 4,
                  extra_files: dict[str, str] | None = None, embed_tokens: torch.Tensor | None = None,
-                 verifier: str | None = None, verifier_default: str = "local") -> ExportedHead:
+                 verifier: str | None = None, verifier_default: str = "local",
+                 local_paths: bool = True) -> ExportedHead:
     """Write and validate a `fmt` folder for a head given as (HeadConfig, our-named tensors).
 
-    format=speculators also stores the target's input embedding (`embed_tokens`, else read from
-    `target_path`) and names the verifier per `verifier` / `verifier_default` (see `verifier_info`).
+    A head the format's engine cannot serve is refused first, with nothing written. format=speculators
+    also stores the target's input embedding (`embed_tokens`, else read from `target_path`) and names the
+    verifier per `verifier` / `verifier_default` (see `verifier_info`). format=llamacpp adds LLAMACPP.md
+    with this machine's paths (the output folder, the target's HF folder and GGUF), or with placeholders
+    and the target's Hub id when not `local_paths` (a folder for the Hub).
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    check_servable(cfg, fmt)
     if dtype not in _DTYPES:
         raise ExportError(f"export.dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
     info = verifier_info(target_path, verifier, verifier_default) if fmt == "speculators" else None
@@ -199,6 +209,11 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     stored = format_tensors(cfg, tensors, fmt, dtype)
     if fmt == "speculators":
         stored[SPECULATORS_EMBED] = _speculators_embedding(cfg, embed_tokens, target_path, dtype)
+    if fmt == "llamacpp":
+        where = str(Path(output_dir).resolve()) if local_paths else "HEAD_DIR"
+        target = local_target(target_path) if local_paths else portable_target(target_path)
+        extra_files = {**(extra_files or {}),
+                       LLAMACPP_FILE: llamacpp_guide(cfg, where, target, dtype, speculative_tokens)}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -276,6 +291,8 @@ def run_export(cfg: Any) -> ExportedHead:
     """The `eagle-export` stage: validate `export.check`, or export `draft.path` to `output_dir`."""
     if cfg.export.check:
         head = check_folder(cfg.export.check)
+        if head.format in FORMATS:  # a folder of ours: its engine must serve every option of the head
+            check_servable(head.config, head.format)
         print(summary(head))
         return head
     if not cfg.draft.path:
@@ -306,6 +323,8 @@ def summary(head: ExportedHead) -> str:
     if head.format == "speculators":
         verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         lines.append(f"  speculators verifier: {verifier}")
+    if head.format == "llamacpp":
+        lines.append(f"  llama.cpp: the convert and llama-server commands are in {head.folder / LLAMACPP_FILE}")
     if head.borrowed:
         lines.append(f"  also stores target-owned {', '.join(sorted(head.borrowed))} (eagle itself borrows the "
                      "target's" + ("; the speculators library needs it" if head.format == "speculators" else "")

@@ -1,7 +1,9 @@
 """What each export format looks like on disk: tensor names, config.json, embedding policy.
 
 Facts checked against the loaders (vLLM `llama_eagle3.py` / `llama_eagle.py` / speculators config
-handling, SGLang `llama_eagle3.py` / `llama_eagle.py`, vllm-project/speculators `Eagle3SpeculatorConfig`):
+handling, SGLang `llama_eagle3.py` / `llama_eagle.py`, vllm-project/speculators `Eagle3SpeculatorConfig`,
+llama.cpp b11434 `convert_hf_to_gguf.py` / `src/models/eagle3.cpp`); docs/serving.md has the table of
+which head option each engine serves, with the code read:
 
 | format      | EAGLE-3 tensors                          | EAGLE-1 tensors                      | config.json                                   |
 |-------------|------------------------------------------|--------------------------------------|-----------------------------------------------|
@@ -11,6 +13,7 @@ handling, SGLang `llama_eagle3.py` / `llama_eagle.py`, vllm-project/speculators 
 |             |                                          |                                      | LlamaForCausalLMEagle, aux ids in eagle_config|
 | speculators | fc, layers.0.*, norm, lm_head, d2t, t2d  | (not supported)                      | speculators_model_type=eagle3, Eagle3Speculator|
 | hf          | our own names (= `save_head`)            | our own names                        | head_config.json + Llama-style config.json    |
+| llamacpp    | = vllm (+ LLAMACPP.md: convert + serve)  | (not supported)                      | = vllm                                        |
 
 Embeddings: vllm / sglang / hf folders hold no `embed_tokens.weight`: vLLM skips the draft
 embedding when the checkpoint has none and shares the target's, SGLang always installs the
@@ -30,9 +33,10 @@ Layer-id conventions differ: our `aux_layer_ids` (and vLLM's / speculators'
 `eagle_aux_hidden_state_layer_ids`) name the *input* of decoder layer i; SGLang adds 1 to the ids
 in `eagle_config` (id k there means the output of layer k), so the SGLang folder stores ids - 1.
 EAGLE-3.1 options (`HeadConfig.fc_norm`: an RMSNorm per aux layer before fc, stored as
-`fc_norm.{i}.weight`; `norm_output`: the normed output fed back) are written as `fc_norm` /
-`norm_output` in vllm and hf folders (vLLM's Eagle3LlamaForCausalLM reads both); sglang and
-speculators exports of such a head are refused, as those loaders would silently drop them.
+`fc_norm.{i}.weight`; `norm_output`: the normed output fed back) are the config keys `fc_norm` /
+`norm_output` in every format that serves them: vLLM 0.32, SGLang 0.5.23 and speculators 0.9.0 read
+both under these names. llama.cpp b11434 expresses neither, so `format=llamacpp` refuses such heads
+(`Algorithm.export_refusals` holds every refusal and its reason).
 Both runtimes take `norm_before_residual` to mean the residual is taken after `hidden_norm`; our
 head takes it before, so every config says `false` explicitly (vLLM's speculators path defaults it
 to true when absent).
@@ -51,12 +55,14 @@ from eagle.config import ConfigError
 from eagle.errors import ExportError
 from eagle.heads.base import HEADS, HeadConfig
 
-FORMATS = ("vllm", "sglang", "speculators", "hf")
+FORMATS = ("vllm", "sglang", "speculators", "hf", "llamacpp")
 WEIGHTS_FILE = HEAD_WEIGHTS
 HEAD_CONFIG_FILE = HEAD_CONFIG
 CONFIG_FILE = EXPORT_CONFIG
 EXPORT_META_KEY = "eagle_export"  # our own block in config.json: canonical HeadConfig + format
 SPECULATORS_EMBED = "embed_tokens.weight"  # the target's input embedding, stored in speculators folders
+LLAMACPP_FILE = "LLAMACPP.md"  # what format=llamacpp adds to the vLLM folder: the convert + serve commands
+LLAMACPP_GGUF = "head.gguf"  # the converter's output its commands name, next to the weights it was made from
 
 
 # Built-in target names -> the Hub id of the same model (for base_model / verifier fields).
@@ -154,14 +160,29 @@ def export_meta(cfg: HeadConfig, fmt: str) -> dict[str, Any]:
     return {"format": fmt, "head_config": dataclasses.asdict(cfg)}
 
 
+def check_servable(cfg: HeadConfig, fmt: str) -> None:
+    """Refuse (ExportError) a format eagle does not write, or a head that format's engine cannot serve
+    (naming each head option and the engine); nothing is read or written before this."""
+    if fmt not in FORMATS:
+        raise ExportError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    algorithm_of(cfg).check_exportable(cfg, fmt)
+
+
 def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
                  speculative_tokens: int = 4) -> dict[str, Any]:
-    """config.json for `fmt`. `verifier` = {"name_or_path", "architectures"} (speculators only)."""
+    """config.json for `fmt`, for a head the format's engine serves (else ExportError, `check_servable`).
+    `verifier` = {"name_or_path", "architectures"} (speculators only)."""
+    check_servable(cfg, fmt)
+    return format_config(cfg, fmt, dtype, verifier, speculative_tokens)
+
+
+def format_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
+                  speculative_tokens: int = 4) -> dict[str, Any]:
+    """config.json for `fmt` whether or not its engine serves every option of the head: what a folder of
+    that format written by eagle holds (validation reads folders that eagle itself can still load)."""
     algo = algorithm_of(cfg)
-    if fmt not in algo.export_formats:
-        raise ExportError(f"format={fmt} cannot express an {algo.title} head; export it with format="
-                          + " | ".join(algo.export_formats))
-    algo.check_exportable(cfg, fmt)
+    if fmt not in algo.export_formats:  # no layout at all (e.g. EAGLE-1 as speculators)
+        algo.check_exportable(cfg, fmt)
     if fmt == "speculators":
         verifier = verifier or {"name_or_path": None, "architectures": []}
         return {
@@ -173,8 +194,10 @@ def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any]
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
             "norm_before_residual": False,
             "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            # Eagle3SpeculatorConfig's own fields (speculators 0.9.0 models/eagle3/config.py); vLLM 0.32
+            # carries both over when it serves a speculators folder (configs/speculators/algos.py).
+            "fc_norm": cfg.fc_norm,
+            "norm_output": cfg.norm_output,
             "embed_requires_grad": False,
             "torch_dtype": dtype,
             "speculators_config": {

@@ -24,7 +24,8 @@ from eagle.export.validate import ExportedHead, check_folder
 
 log = logging.getLogger(__name__)
 
-LIBRARY = {"speculators": "speculators", "vllm": "vllm", "sglang": "sglang", "hf": "eagle"}
+# A llamacpp folder's files are the vLLM folder (the GGUF is made from it with llama.cpp's converter).
+LIBRARY = {"speculators": "speculators", "vllm": "vllm", "sglang": "sglang", "hf": "eagle", "llamacpp": "vllm"}
 # Bundled / well-known data sources -> the Hub data set they come from.
 DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
@@ -271,6 +272,10 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
                   "--speculative-num-draft-tokens 16", "```"]
     if fmt == "speculators":
         lines += speculators_usage(head, name)
+    if fmt == "llamacpp":
+        lines += ["This folder is the head in vLLM's layout; [LLAMACPP.md](LLAMACPP.md) has the llama.cpp commands "
+                  "that convert it to a GGUF draft (`convert_hf_to_gguf.py --target-model-dir`) and serve it "
+                  f"(`llama-server --spec-type draft-eagle3 --spec-draft-n-max {speculative_tokens}`)."]
     lines += ["", "With `eagle` itself (any format):", "", "```bash",
               f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
     if reports:
@@ -366,7 +371,7 @@ def run_publish(cfg: Any) -> Path:
     chain = served_chain_length(cfg)  # the config's and the card's num_speculative_tokens: one number
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
                         speculative_tokens=chain, verifier=cfg.export.verifier,
-                        verifier_default="hub",
+                        verifier_default="hub", local_paths=False,
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
     card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes,
                       speculative_tokens=chain)

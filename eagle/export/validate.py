@@ -20,12 +20,14 @@ from eagle.errors import ExportError
 from eagle.export.formats import (
     CONFIG_FILE,
     EXPORT_META_KEY,
+    FORMATS,
     HEAD_CONFIG_FILE,
+    LLAMACPP_FILE,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
     algorithm_of,
-    build_config,
     expected_tensors,
+    format_config,
     format_keys,
     from_format_name,
     head_config_from_config,
@@ -44,7 +46,7 @@ class ExportedHead:
     """A head folder in canonical form."""
 
     folder: Path
-    format: str  # vllm | sglang | speculators | hf | third-party
+    format: str  # vllm | sglang | speculators | hf | llamacpp | third-party
     config: HeadConfig
     tensors: dict[str, torch.Tensor]  # our parameter names
     borrowed: dict[str, torch.Tensor] = field(default_factory=dict)  # stored target-owned tensors
@@ -140,7 +142,9 @@ def _check_our_config(head: ExportedHead, dtype: str | None) -> None:
     """A folder we wrote: every config field must equal what the format prescribes."""
     where = head.folder / CONFIG_FILE
     raw = head.raw_config
-    expected = build_config(head.config, head.format, dtype or str(raw.get("torch_dtype", "float16")))
+    # The layout only: whether the format's engine serves the head is `eagle-export --check`'s question
+    # (run_export), not the loader's, which must still read e.g. a vllm folder of a non-SiLU head.
+    expected = format_config(head.config, head.format, dtype or str(raw.get("torch_dtype", "float16")))
     for key, value in expected.items():
         if key in ("speculators_config", EXPORT_META_KEY):
             continue
@@ -220,7 +224,11 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
         if not ("d2t" in head.tensors and "t2d" in head.tensors):
             raise ExportError(f"{where}: d2t and t2d must be stored together")
         check_vocab_maps(head.tensors["d2t"], head.tensors["t2d"], str(where))
-    if head.format in ("vllm", "sglang", "speculators", "hf") and head.raw_config:
+    if head.format == "llamacpp" and not (where / LLAMACPP_FILE).is_file():
+        # Without it the folder is a vLLM folder under another name: the commands are what the format adds.
+        raise ExportError(f"{where}: a format=llamacpp folder holds {LLAMACPP_FILE} (the convert and serve "
+                          "commands); re-export it, or check it as the vLLM folder it otherwise is")
+    if head.format in FORMATS and head.raw_config:
         _check_our_config(head, dtype)
         stored = set(format_keys(cfg, head.format))
         have = set(head.tensors) | set(head.borrowed)
