@@ -108,7 +108,8 @@ class CaptureConfig:
     shard_size: int = 64  # conversations per shard
     # Storage dtype of features: bfloat16 | float16 | float32. bfloat16: the bytes of float16 with float32's
     # range (aux layers of some targets pass float16's 65504; SmolLM2's reach 2.5e4), and held-out acc@0
-    # equal to float16's in scripts/bench_capture_dtype.py (0.361 vs 0.358 after 400 steps, same capture).
+    # equal to float16's in scripts/bench_capture_dtype.py (400 steps, same capture: 0.361 vs 0.358 and 0.343
+    # vs 0.341 at two seeds, which differ by 0.017).
     dtype: str = "bfloat16"
     batch_tokens: int = 4096  # max (padded) tokens per forward; batches are length-sorted
     free_space_margin: float = 1.1  # refuse to start unless free disk >= estimate x margin
