@@ -19,6 +19,7 @@ from eagle.export import check_folder, export_head, load_exported_head, write_ex
 from eagle.export.formats import EXPORT_META_KEY
 from eagle.fileio import safetensors_bytes
 from eagle.heads.io import build_head, head_config_from_target, save_head
+from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -26,15 +27,6 @@ LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
 E3_LAYER = LAYER + ["input_layernorm.weight", "hidden_norm.weight"]
 E3_TOP = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
 DRAFT_VOCAB = 200
-
-
-def _randomise(head: torch.nn.Module, seed: int) -> None:
-    # Fresh heads have ones in every norm and zeros in biases; random values make the round trip
-    # sensitive to any tensor being dropped, renamed wrongly or transposed.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +41,8 @@ def heads(target):
     counts = torch.arange(e3_cfg.vocab_size, dtype=torch.float).flip(0) % 37  # a non-trivial draft vocabulary
     e3 = build_head(e3_cfg, target, vocab_counts=counts)
     e1 = build_head(head_config_from_target(target.config, DraftConfig(algorithm="eagle1")), target)
-    _randomise(e3, 1)
-    _randomise(e1, 2)
+    randomise(e3, 1)
+    randomise(e1, 2)
     return {"eagle3": e3.eval(), "eagle1": e1.eval()}
 
 
@@ -121,7 +113,7 @@ def test_eagle1_export_keys_and_round_trip(fmt, heads, target, tmp_path):
         with pytest.raises(ExportError, match="fc.bias"):
             export_head(head, tmp_path / "x", fmt, dtype="float32")
         head = build_head(head.config, target)
-        _randomise(head, 3)
+        randomise(head, 3)
         with torch.no_grad():
             head.fc.bias.zero_()
     export_head(head, tmp_path / fmt, fmt, dtype="float32")
@@ -308,7 +300,7 @@ def eagle31(target):
     cfg = head_config_from_target(target.config, DraftConfig(algorithm="eagle3", draft_vocab_size=DRAFT_VOCAB,
                                                              fc_norm=True, norm_output=True))
     head = build_head(cfg, target, vocab_counts=torch.arange(cfg.vocab_size, dtype=torch.float) % 13)
-    _randomise(head, 3)
+    randomise(head, 3)
     return head.eval()
 
 

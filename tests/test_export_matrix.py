@@ -22,6 +22,7 @@ from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.formats import FORMATS
 from eagle.heads.io import build_head, head_config_from_target
+from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
 LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -45,14 +46,6 @@ REFUSED = {
 CASES = [(fmt, variant) for fmt in FORMATS for variant in VARIANTS]
 
 
-def _randomise(head: torch.nn.Module, seed: int) -> None:
-    # Random norms and weights: a dropped, misnamed or unapplied fc_norm changes the outputs.
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-
-
 @pytest.fixture(scope="module")
 def target():
     model, _ = make_model("llama")
@@ -68,7 +61,7 @@ def heads(target):
         cfg = head_config_from_target(target.config, draft)
         counts = torch.arange(cfg.vocab_size, dtype=torch.float) % 11
         head = build_head(cfg, target, vocab_counts=counts if algorithm == "eagle3" else None)
-        _randomise(head, seed)
+        randomise(head, seed)
         if algorithm == "eagle1":
             with torch.no_grad():
                 head.fc.bias.zero_()  # vLLM's EAGLE-1 has no fc bias (test_export covers a non-zero one)
