@@ -134,6 +134,10 @@ class CaptureConfig:
 # config is validated without importing torch. tests/test_algorithms.py keeps the two in step.
 DRAFT_ALGORITHMS = ("eagle1", "eagle3")
 
+# decode.acceptance: how a verified draft tree is accepted (eagle/decode/accept.py, eagle/decode/approximate.py).
+# exact is the only lossless rule; the others trade the target's law for longer accepted runs.
+ACCEPTANCE_RULES = ("exact", "typical", "lenient")
+
 
 @dataclass
 class DraftConfig:
@@ -248,6 +252,18 @@ class DecodeConfig:
     # acceptance; tree=dynamic: a chain of tree_depth); auto = sample at T > 0 (except for a static tree),
     # topk at T = 0.
     draft_choice: str = "auto"
+    # How the verified tree is accepted (docs/acceptance.md). exact (default) = the target's own law, lossless.
+    # typical / lenient are APPROXIMATE: their output does not follow the target's law, and every report,
+    # plot and model-card row made with them says so. Both only act where exact acceptance would have
+    # stopped (the target's draw is tried first). typical (Medusa): a drafted child x is also accepted when
+    # p(x) > min(typical_epsilon, typical_delta * exp(-entropy(p))), p the target's processed law at the
+    # node (= exact at temperature 0, where p is one-hot). lenient: also when x is within the target's
+    # lenient_top_k tokens and within lenient_margin logits (raw, before temperature) of its top-1.
+    acceptance: str = "exact"
+    typical_epsilon: float = 0.09  # Medusa's posterior_threshold: the hard probability threshold, in (0, 1)
+    typical_delta: float = 0.3  # Medusa's posterior_alpha: scale of the entropy-adaptive threshold, in (0, 1]
+    lenient_top_k: int = 2  # >= 1; not tuned: scripts/bench_acceptance.py measures what it costs
+    lenient_margin: float = 1.0  # logits, >= 0; not tuned either
 
 
 @dataclass
@@ -264,6 +280,11 @@ class EvalConfig:
     # near-tie) when the float32 top-1/top-2 margin and the gap between the two chosen tokens' logits
     # at the first differing position are both below this (logit units); see eagle/evaluate/divergence.py.
     divergence_margin_limit: float = 0.5
+    # Whether a greedy run's divergences from HF generate are checked as numerics (the float32 recheck
+    # above). null: on for decode.acceptance=exact, off for the approximate rules, whose output differs from
+    # the target's by design (the match fraction is still reported). true with an approximate rule is
+    # refused: it would claim losslessness for a rule that has none.
+    divergence_check: bool | None = None
 
 
 @dataclass
@@ -427,6 +448,23 @@ def validate(cfg: RootConfig) -> RootConfig:
                           "top-k ranks: use tree=auto or dynamic with sample, or draft_choice=topk")
     if d.tree == "static" and not d.static_paths:
         raise ConfigError("decode.tree=static needs decode.static_paths (a list of paths of child ranks)")
+    _choice("decode.acceptance", d.acceptance, ACCEPTANCE_RULES)
+    if not 0.0 < d.typical_epsilon < 1.0:
+        raise ConfigError(f"decode.typical_epsilon={d.typical_epsilon} must be in (0, 1) (a probability threshold)")
+    if not 0.0 < d.typical_delta <= 1.0:
+        raise ConfigError(f"decode.typical_delta={d.typical_delta} must be in (0, 1] (it scales exp(-entropy) <= 1)")
+    _positive("decode.lenient_top_k", d.lenient_top_k)
+    if not 0.0 <= d.lenient_margin < float("inf"):
+        raise ConfigError(f"decode.lenient_margin={d.lenient_margin} must be a finite number of logits >= 0")
+    if d.acceptance != "exact":
+        if d.draft_choice == "sample":
+            raise ConfigError(f"decode.acceptance={d.acceptance} acts on top-k draft trees; decode.draft_choice=sample "
+                              "drafts chains accepted by speculative sampling: use draft_choice=auto or topk")
+        if cfg.eval.divergence_check:
+            raise ConfigError(f"eval.divergence_check=true checks that greedy output equals HF generate's up to "
+                              f"numerics, which decode.acceptance={d.acceptance} (approximate, not lossless) does not "
+                              "promise: drop eval.divergence_check (the match fraction is reported) or use "
+                              "decode.acceptance=exact")
     _choice("eval.turns", cfg.eval.turns, ("first", "all"))
     _positive("eval.max_prompts", cfg.eval.max_prompts)
     _positive("eval.prompt_lookup_num_tokens", cfg.eval.prompt_lookup_num_tokens)
@@ -472,12 +510,14 @@ def to_root_config(cfg: DictConfig | RootConfig) -> RootConfig:
 
 def register_configs() -> None:
     """Register the root schema with Hydra (idempotent; called by `eagle.cli` before composing)."""
+    # heavy: hydra would double this module's import time; only the entry points register the schema
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="eagle_schema", node=RootConfig)
 
 
 __all__ = [
+    "ACCEPTANCE_RULES",
     "MISSING",
     "CaptureConfig",
     "ConfigError",

@@ -102,7 +102,7 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     result. POSIX `flock`, released by the kernel if the holder dies; a no-op where it is missing.
     """
     try:
-        import fcntl
+        import fcntl  # optional: POSIX only
     except ImportError:  # not POSIX: no lock (the work is still atomic, only maybe done twice)
         yield
         return
@@ -144,7 +144,7 @@ def safetensors_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None =
     header is re-serialised here with sorted keys and padded with spaces to its original length (the
     format allows trailing spaces; tensor offsets are relative to the data section, so nothing moves).
     """
-    from safetensors.torch import save
+    from safetensors.torch import save  # heavy: loads torch; this module is on the CLI's start path
 
     data = save(tensors, metadata=metadata)
     n = int.from_bytes(data[:8], "little")

@@ -40,10 +40,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle.config import ConfigError, TargetConfig
 from eagle.errors import EagleError, TargetError
@@ -95,7 +97,8 @@ def _keep_output_capture(decoder: nn.Module) -> None:
     whose name is not there (the decoder then returns no hidden states). Register the subclass the way
     `PreTrainedModel.__init__` registers every model."""
     try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY  # heavy; this path only
+        # optional: a private registry of recent transformers versions
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # versions without the registry read the class attribute, which the subclass inherits
         return
     _CAN_RECORD_REGISTRY[decoder] = getattr(decoder, "_can_record_outputs", None)
@@ -121,9 +124,6 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
 def _skeleton(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> nn.Module:
     """The target's model with parameters on the `meta` device (no memory) and real buffers (rotary
     frequencies and other values computed at construction, which no checkpoint holds)."""
-    from accelerate import init_empty_weights  # heavy; this path only
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         with init_empty_weights(include_buffers=False):

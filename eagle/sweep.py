@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from omegaconf import OmegaConf
+
+from eagle.evaluate.plots import _figure, _save
+from eagle.fileio import atomic_write_json, atomic_write_text
 
 try:  # Hydra's callback base class (hydra-core >= 1.1)
     from hydra.experimental.callback import Callback
@@ -61,8 +67,6 @@ def _split_override(text: str) -> tuple[str, str]:
 def swept_keys(overrides: Sequence[str], params: dict[str, Any] | None = None) -> list[str]:
     """Keys a sweep varies: sweep overrides (`a,b`, `range(...)`, `interval(...)`, `choice(...)`,
     `glob(...)`) on the command line, plus the keys of `hydra.sweeper.params`."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     keys: list[str] = []
     parser = OverridesParser.create()
     for text in overrides:
@@ -106,8 +110,6 @@ def _env_keys() -> list[str]:
 
 def _job_dir_resolver() -> str:
     """`${eagle_job_dir:}`: this job's folder name (resolved by Hydra in the job, see `job_dir_name`)."""
-    from hydra.core.hydra_config import HydraConfig
-
     hc = HydraConfig.get()
     num = OmegaConf.select(hc, "job.num", default=0, throw_on_missing=False)
     overrides = list(OmegaConf.select(hc, "overrides.task", default=[]) or [])
@@ -134,9 +136,6 @@ class Job:
 
 def current_job() -> Job | None:
     """The multirun job this process is running, or None in a single run (or outside Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized():
         return None
     hc = HydraConfig.get()
@@ -193,7 +192,8 @@ def job_figures(stage: str, result: Any, output_dir: str | Path) -> dict[str, An
     if stage == "eval" and isinstance(result, dict):
         keys = ("tau", "speedup", "speedup_vs_prompt_lookup", "speedup_vs_autoregressive", "tokens_per_s",
                 "greedy_match")
-        return {k: _num(result.get(k)) for k in keys}
+        # decode.acceptance: an approximate job's row says so (its tau is not a lossless figure).
+        return {**{k: _num(result.get(k)) for k in keys}, "acceptance": str(result.get("acceptance", "exact"))}
     return {}
 
 
@@ -212,8 +212,6 @@ def objective(stage: str, result: Any) -> float | None:
 
 def write_job_record(job: Job, stage: str, status: str, wall_s: float, figures: dict[str, Any] | None = None,
                      error: str | None = None) -> Path:
-    from eagle.fileio import atomic_write_json
-
     record = {
         "sweep_id": job.sweep_id,
         "num": job.num,
@@ -318,7 +316,8 @@ def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     elif stage == "eval":
         head = ["job", "overrides", "status", "tau", "speedup", "vs prompt lookup", "vs autoregressive", "tok/s",
                 "greedy match", "wall"]
-        body = [[*_cells(r), _fmt(r.get("tau"), 2), _fmt(r.get("speedup"), 2), _fmt(r.get("speedup_vs_prompt_lookup"), 2),
+        body = [[*_cells(r), _fmt(r.get("tau"), 2) + _approximate(r), _fmt(r.get("speedup"), 2) + _approximate(r),
+                 _fmt(r.get("speedup_vs_prompt_lookup"), 2),
                  _fmt(r.get("speedup_vs_autoregressive"), 2), _fmt(r.get("tokens_per_s"), 1),
                  _fmt(r.get("greedy_match"), 2), _wall(r.get("wall_s"))] for r in rows]
     else:
@@ -328,7 +327,9 @@ def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     best = summary["best"]
     if best is not None:
-        lines += ["", f"Best {summary['objective']}: job {best['num']} (`{best['dir']}`), {best[summary['objective']]:.3f}."]
+        best_row = next((r for r in rows if r["num"] == best["num"]), {})
+        lines += ["", f"Best {summary['objective']}: job {best['num']} (`{best['dir']}`), {best[summary['objective']]:.3f}"
+                  f"{_approximate(best_row)}."]
     failed = [r for r in rows if r["status"] == "failed"]
     if failed:
         lines += ["", "Failed jobs:"]
@@ -338,6 +339,12 @@ def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     if (Path(sweep_dir) / PLOT).is_file() and stage == "train":
         lines += ["", f"![held-out tau_sim per job]({PLOT})"]
     return "\n".join(lines) + "\n"
+
+
+def _approximate(row: dict[str, Any]) -> str:
+    """' (APPROXIMATE: typical, not lossless)' for an eval job decoded with an approximate acceptance rule."""
+    rule = row.get("acceptance") or "exact"
+    return "" if rule == "exact" else f" (APPROXIMATE: {rule}, not lossless)"
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -350,8 +357,6 @@ def plot_curves(summary: dict[str, Any], path: Path) -> Path | None:
     curves = [(r, c) for r, c in curves if c]
     if summary["stage"] != "train" or not curves:
         return None
-    from eagle.evaluate.plots import _figure, _save
-
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row, curve in curves:
@@ -370,8 +375,6 @@ def plot_curves(summary: dict[str, Any], path: Path) -> Path | None:
 def write_summary(sweep_dir: str | Path, sweep_id: str | None = None, keys: Sequence[str] = (),
                   plot: bool = True) -> dict[str, Any] | None:
     """Write `sweep_summary.md` / `.json` (+ the tau_sim plot) for the job records under `sweep_dir`."""
-    from eagle.fileio import atomic_write_json, atomic_write_text
-
     root = Path(sweep_dir)
     records = collect_records(root, sweep_id)
     if not records:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle.assets import ASSETS, asset_path
 from eagle.config import ConfigError, TargetConfig
@@ -102,8 +103,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 
 def _convert_gguf_locked(gguf: Path, digest: str, out: Path, cache_dir: Path) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if (out / "config.json").is_file() and (out / ".complete").is_file():
         return out
     legacy = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}"  # v1: same weights, GGUF quantization_config
@@ -187,8 +186,6 @@ def load_chat_template(value: str) -> str:
 
 
 def load_tokenizer(cfg: TargetConfig, resolved: str | None = None) -> Any:
-    from transformers import AutoTokenizer
-
     resolved = resolved or resolve_target_path(cfg)[0]
     try:
         tok = AutoTokenizer.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
@@ -219,8 +216,6 @@ def check_shard_stage(cfg: TargetConfig, stage: str) -> None:
 
 def load_weights(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> Any:
     """The target's HF model from `resolved` (see `resolve_target_path`) on the CPU, eval mode, no grads."""
-    from transformers import AutoModelForCausalLM
-
     try:
         model = AutoModelForCausalLM.from_pretrained(
             resolved,

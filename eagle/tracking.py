@@ -75,7 +75,7 @@ class Tracker:
 
     def _init_wandb(self, run_config: dict[str, Any]) -> Any:
         try:
-            import wandb
+            import wandb  # heavy: wandb (~0.6 s), only for logger=wandb (off by default)
         except ImportError as e:
             raise EagleError("logger=wandb needs the wandb package: pip install wandb") from e
         id_file = self.output_dir / "wandb_run_id"

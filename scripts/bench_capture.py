@@ -18,23 +18,23 @@ from pathlib import Path
 
 import torch
 
+from eagle.capture.runner import (
+    capture_splits,
+    estimate_bytes,
+    feature_rows,
+    length_sorted_batches,
+    pad_batch,
+)
+from eagle.cli.app import compose
+from eagle.data.dataset import build_splits, data_fingerprint
+from eagle.targets import default_aux_layer_ids, load_target
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="eagle config overrides, e.g. data.max_conversations=32")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes of each (best is reported)")
     args = parser.parse_args(argv)
-
-    from eagle.capture.runner import (
-        capture_splits,
-        estimate_bytes,
-        feature_rows,
-        length_sorted_batches,
-        pad_batch,
-    )
-    from eagle.cli.app import compose
-    from eagle.data.dataset import build_splits, data_fingerprint
-    from eagle.targets import default_aux_layer_ids, load_target
 
     cfg = compose(["data.max_conversations=32", *args.overrides])
     model, tokenizer, info = load_target(cfg.target)

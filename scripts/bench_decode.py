@@ -12,7 +12,8 @@ auto-tuned by default (verify passes timed on this machine). One `eagle-eval` ru
 same prompts and with the same torch threads, the speculative decoder, the target's plain
 autoregressive decoding (same cache code), HF `generate` and HF prompt-lookup decoding; this script
 prints the headline numbers plus the decoder's overhead per step, and exits 1 if greedy output ever
-differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie).
+differs from HF generate's in float32 (in bf16/fp16: if a divergence is not at a float32 near-tie);
+never for an approximate `decode.acceptance` (its report says `lossless: false`; the match is printed).
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
 for the head's weights (int8 linears, dynamic or weight-only, against the full-precision head), in every dtype, and
@@ -28,6 +29,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import torch
+
+from eagle.cli.app import compose
+from eagle.cpu_gemm import CPU_GEMM, median_ms
+from eagle.decode.cache import crop_cache
+from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.decode.tree import tree_mask
+from eagle.errors import EagleError
+from eagle.evaluate import evaluate
+from eagle.export import load_draft
+from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
+from eagle.targets import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HEAD = REPO / "heads" / "smollm2-135m-instruct-eagle3"
@@ -73,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
         args.overrides.insert(0, args.head)
         args.head = None
-    from eagle.cpu_gemm import CPU_GEMM
-    from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
 
     for name, allowed in (("dtypes", DTYPE_NAMES), ("draft_weights", DRAFT_WEIGHTS), ("cpu_gemm", CPU_GEMM)):
         values = _take_overrides(args, name)
@@ -93,10 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     if not head.exists():
         parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
                      "output dir, or pass any head folder")
-
-    from eagle.cli.app import compose
-    from eagle.errors import EagleError
-    from eagle.evaluate import evaluate
 
     overrides = [
         "recipe=smollm2-135m-instruct",
@@ -160,14 +168,6 @@ def _draft_share_of_plain(r: dict) -> float | None:
 
 def _bare_vs_verify(cfg, r: dict) -> dict:
     """One verify pass (tree mask, feature layers) vs `model(...)` on a causal chain of as many tokens."""
-    import torch
-
-    from eagle.cpu_gemm import median_ms
-    from eagle.decode.cache import crop_cache
-    from eagle.decode.target import layer_windows, new_cache, target_forward
-    from eagle.export import load_draft
-    from eagle.targets import load_target
-
     target, _, _ = load_target(cfg.target, stage="decode")
     head, _ = load_draft(cfg.draft.path, target)
     n = max(2, round(r.get("mean_tree_size") or 16) + 1)
@@ -177,7 +177,6 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
     target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows, last_logits_only=True)
     parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
     parents[n // 2 + 1:] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
-    from eagle.decode.tree import tree_mask
 
     mask, depth = tree_mask(parents), torch.zeros(n, dtype=torch.long)
     for i in range(1, n):
@@ -199,6 +198,8 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
 
 
 def _lossless_status(r: dict) -> int:
+    if r.get("lossless") is False:  # an approximate acceptance rule: the match is reported, never a failure
+        return 0
     if r["greedy_match"] is None or r["greedy_match"] >= 1.0:
         return 0
     d = r.get("divergence") or {}

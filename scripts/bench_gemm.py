@@ -13,6 +13,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.cli.app import compose
+from eagle.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
+from eagle.decode.cache import crop_cache
+from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.evaluate.report import hardware_info
+from eagle.targets import load_target
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,17 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args(argv)
-
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from eagle.cli.app import compose
-    from eagle.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
-    from eagle.decode.cache import crop_cache
-    from eagle.decode.target import layer_windows, new_cache, target_forward
-    from eagle.evaluate.report import hardware_info
-    from eagle.targets import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

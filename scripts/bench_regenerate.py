@@ -25,6 +25,11 @@ from pathlib import Path
 
 import torch
 
+from eagle.cli.app import compose
+from eagle.data.dataset import load_conversations
+from eagle.data.regenerate import regenerate
+from eagle.targets import load_target
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,11 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--padded-batch", type=int, default=32, help="0 skips the padded-batch run")
     args = parser.parse_args(argv)
-
-    from eagle.cli.app import compose
-    from eagle.data.dataset import load_conversations
-    from eagle.data.regenerate import regenerate
-    from eagle.targets import load_target
 
     cfg = compose(["regenerate.max_turns=1", f"data.max_conversations={args.conversations}", *args.overrides])
     model, tokenizer, info = load_target(cfg.target, stage="regenerate")

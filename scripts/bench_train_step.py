@@ -25,11 +25,16 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
+import eagle
+from eagle.algorithms import get_algorithm
+from eagle.cli.app import compose
+from eagle.heads import build_head, head_config_from_target
+from eagle.targets import load_target
 
 
 def _conversations(capture: Path, shards: slice) -> list[dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     out = []
     for f in sorted((capture / "train").glob("shard-*.safetensors"))[shards]:
         data = load_file(str(f))
@@ -65,12 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="smollm2-135m-instruct")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-
-    import eagle
-    from eagle.algorithms import get_algorithm
-    from eagle.cli.app import compose
-    from eagle.heads import build_head, head_config_from_target
-    from eagle.targets import load_target
 
     cfg = compose([f"recipe={args.recipe}", f"train.ttt_steps={args.ttt}", *args.overrides])
     target, _, _ = load_target(cfg.target, stage="train")

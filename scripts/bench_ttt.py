@@ -23,6 +23,11 @@ from pathlib import Path
 
 import torch
 
+from eagle.algorithms import get_algorithm
+from eagle.cli.app import compose
+from eagle.heads import build_head, head_config_from_target
+from eagle.targets import load_target
+
 
 def _batch(b: int, t: int, vocab: int, aux: int, hidden: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -44,11 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. draft.draft_vocab_size=4096)")
     args = p.parse_args(argv)
-
-    from eagle.algorithms import get_algorithm
-    from eagle.cli.app import compose
-    from eagle.heads import build_head, head_config_from_target
-    from eagle.targets import load_target
 
     cfg = compose([f"recipe={args.recipe}", *args.overrides])
     target, _, info = load_target(cfg.target, stage="train")

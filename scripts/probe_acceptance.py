@@ -38,10 +38,21 @@ from typing import Any
 
 import torch
 
+from eagle.algorithms import get_algorithm
+from eagle.capture.features import extract_features
+from eagle.capture.reader import CaptureDataset, collate
+from eagle.cli.app import compose
+from eagle.data.dataset import load_conversations
+from eagle.data.eval_prompts import load_eval_prompts
+from eagle.data.regenerate import first_turn_prompt
+from eagle.data.template import end_of_turn_ids
+from eagle.evaluate.baselines import encode_chat
+from eagle.export.loader import load_draft
+from eagle.targets import load_target
+from eagle.train.metrics import MetricSums
+
 
 def _metrics(algo: Any, head: Any, lm_head: Any, settings: Any, batches: list[dict[str, Any]]) -> dict[str, float]:
-    from eagle.train.metrics import MetricSums
-
     sums = MetricSums()
     for batch in batches:
         parts = algo.forward_loss(head, lm_head, batch, settings, norms=None)  # full-vocabulary labels
@@ -53,8 +64,6 @@ def _metrics(algo: Any, head: Any, lm_head: Any, settings: Any, batches: list[di
 
 
 def _stored(split: Any, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
-    from eagle.capture.reader import collate
-
     out = []
     step = max(len(split) // max(n, 1), 1)  # evenly spaced items: the split's order groups by shard
     for i in range(0, min(n * step, len(split)), step):
@@ -67,8 +76,6 @@ def _stored(split: Any, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
 @torch.no_grad()
 def _generated(model: Any, head: Any, prompts: list[list[int]], new_tokens: int, eos: list[int]) -> tuple[list[dict[str, Any]], float]:
     """Greedy answers to `prompts` (token ids), featurised as one capture forward each; and coverage."""
-    from eagle.capture.features import extract_features
-
     batches, covered, total = [], 0, 0
     t2d = getattr(head, "t2d", None)  # [V] bool; a full-vocabulary head has none
     in_vocab = t2d.bool() if t2d is not None else torch.ones(head.config.vocab_size, dtype=torch.bool)
@@ -91,13 +98,8 @@ def _generated(model: Any, head: Any, prompts: list[list[int]], new_tokens: int,
 def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prompt_tokens: int) -> list[list[int]]:
     """First turns of the source's conversations that are not in `exclude`, from the end of what the
     capture could have read (the next ones in source order)."""
-    from dataclasses import replace
-
-    from eagle.data.dataset import load_conversations
-    from eagle.data.regenerate import first_turn_prompt
-
     limit = len(exclude) + 4 * n + 64
-    convs, _ = load_conversations(replace(cfg.data, max_conversations=limit))
+    convs, _ = load_conversations(dataclasses.replace(cfg.data, max_conversations=limit))
     prompts = []
     for conv in convs:
         if conv.id in exclude:
@@ -111,9 +113,6 @@ def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prom
 
 
 def _eval_prompts(name: str, tokenizer: Any, n: int) -> list[list[int]]:
-    from eagle.data.eval_prompts import load_eval_prompts
-    from eagle.evaluate.baselines import encode_chat
-
     # encode_chat: the prompt ids eagle-eval decodes from
     return [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist()
             for p in load_eval_prompts(name)[:n]]
@@ -131,13 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-
-    from eagle.algorithms import get_algorithm
-    from eagle.capture.reader import CaptureDataset
-    from eagle.cli.app import compose
-    from eagle.data.template import end_of_turn_ids
-    from eagle.export.loader import load_draft
-    from eagle.targets import load_target
 
     overrides = args.overrides or ["recipe=smollm2-135m-instruct", "target.dtype=bfloat16"]
     cfg = compose(overrides)

@@ -196,6 +196,70 @@ def test_resume_reuses_finished_prompts(greedy_report, workspace):
     assert again["settings"]["resumed_prompt_ids"] == ["poem", "code"]
 
 
+# --- acceptance rules: labels ----------------------------------------------------------------------------
+
+
+def test_exact_report_says_lossless_and_names_its_speedup_baseline(greedy_report, workspace):
+    r = greedy_report
+    assert r["acceptance"] == "exact" and r["lossless"] is True
+    shift = r["distribution_shift"]
+    assert shift["tv"] == 0.0 and shift["kl"] == 0.0 and shift["positions"] >= sum(
+        n for p in r["per_prompt"] for n in p["accept_lengths"])
+    assert r["speedup_baseline"] == "HF transformers generate (PyTorch eager)"
+    assert "divergence" in r  # greedy, exact, with HF generate: the numerics check runs
+    md = (workspace / "greedy" / "report.md").read_text()
+    assert md.startswith("# eagle-eval:") and "APPROXIMATE" not in md
+    assert "Speedup baseline: HF transformers generate (PyTorch eager)" in md
+
+
+@pytest.fixture(scope="module")
+def lenient_report(workspace):
+    from eagle.evaluate import evaluate
+
+    # Any drafted child passes: the random head's drafts are accepted, and the output leaves the target's.
+    # A fixed tree of depth 4 without prompt lookup (the auto tree's shape depends on timing).
+    return evaluate(_cfg(workspace, "lenient", "decode.acceptance=lenient", "decode.lenient_top_k=1000",
+                         "decode.lenient_margin=100", "decode.tree=dynamic", "decode.lookup_tokens=0",
+                         "eval.baselines=[hf_generate]", "eval.warmup_prompts=0", "eval.turns=first"))
+
+
+def test_approximate_report_is_labelled_everywhere(lenient_report, workspace):
+    r, out = lenient_report, workspace / "lenient"
+    assert r["acceptance"] == "lenient" and r["lossless"] is False
+    assert r["acceptance_settings"] == {"rule": "lenient", "lenient_top_k": 1000, "lenient_margin": 100.0}
+    text = (out / "report.json").read_text().splitlines()
+    assert text[1].strip() == '"acceptance": "lenient",' and text[2].strip() == '"lossless": false,'
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[0].startswith("# APPROXIMATE acceptance: lenient (top_k=1000, margin=100.0), not lossless")
+    assert "reported, not checked" in md
+    # The greedy comparison is a reported fraction, never a numerics verdict, and the shift is measured.
+    assert 0.0 <= r["greedy_match"] <= 1.0 and "divergence" not in r
+    shift = r["distribution_shift"]
+    assert shift["positions"] > 0 and shift["tv"] > 0 and shift["kl"] is None and shift["kl_infinite"] > 0, (
+        shift, [(p["accept_lengths"], p["tree_sizes"], p["greedy_match"]) for p in r["per_prompt"]])
+    assert r["tau"] > 1.0
+    assert all(t["hf_generate_answer"] is not None for p in r["per_prompt"] for t in p["turns"])
+
+
+def test_approximate_plots_and_cli_line_carry_the_label(lenient_report, tmp_path, monkeypatch, capsys):
+    from eagle.cli import evaluate as cli
+    from eagle.evaluate import plots, runner
+
+    titles = []
+    for name in ("plot_accept_length_histogram", "plot_accept_by_depth", "plot_throughput", "plot_speedup_vs_tree"):
+        monkeypatch.setattr(plots, name, lambda *a, **k: titles.append(a[-1]) or tmp_path / "x.png")
+    report = {**lenient_report, "tree_sweep": [{"tree_total_tokens": 4, "tau": 1.5, "speedup": 1.1}]}
+    runner._plots(report, tmp_path)
+    assert len(titles) == 4 and all("APPROXIMATE acceptance: lenient" in t for t in titles)
+
+    monkeypatch.setattr(runner, "evaluate", lambda cfg: lenient_report)
+    monkeypatch.setattr(cli, "evaluate", lambda cfg: lenient_report, raising=False)
+    cli._evaluate(_cfg(Path("."), "unused"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("APPROXIMATE acceptance (decode.acceptance=lenient): NOT lossless")
+    assert "speedup baseline: HF transformers generate (PyTorch eager)" in lines[2]
+
+
 @pytest.mark.slow  # a second target and a full sampled evaluation (~10 s)
 def test_sampling_run_other_family(tmp_path):
     """temperature > 0 on a Qwen2-family target: no greedy comparison, report still consistent."""

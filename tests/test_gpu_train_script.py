@@ -49,5 +49,6 @@ def test_gpu_train_script_trains_to_its_budget_and_packs_the_best_head(tmp_path)
     assert hashlib.sha256(weights).hexdigest() == (out / "best-model.sha256").read_text().strip()
     assert weights == (work / "train" / "best" / "model.safetensors").read_bytes()
     config = json.loads((out / "head_config.json").read_text())
-    assert config["fc_norm"] is True and config["norm_output"] is True and config["draft_vocab_size"] == 128
+    # the recipe's head: plain EAGLE-3 (no EAGLE-3.1 norms since the 2026-12-07 norm study)
+    assert config["fc_norm"] is False and config["norm_output"] is False and config["draft_vocab_size"] == 128
     assert "held-out tau_sim" in log

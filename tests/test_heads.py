@@ -354,13 +354,18 @@ def test_eagle31_options_normalise_each_layer_and_feed_back_the_normed_state():
 
 
 def test_eagle31_options_apply_to_eagle3_and_are_ignored_by_eagle1():
-    """The SmolLM2 recipe turns fc_norm / norm_output on; `recipe=... draft=eagle1` must still build."""
+    """A recipe with fc_norm / norm_output on (the SmolLM2 one had them from 2026-12-04 to 2026-12-07) still
+    builds with `draft=eagle1`; the options only shape EAGLE-3 heads."""
     from eagle.cli.app import compose
 
     model = make_model("llama")[0]
+    # The SmolLM2 recipe trains plain EAGLE-3 heads (the norm study), which every engine serves.
+    plain = compose(["recipe=smollm2-135m-instruct"]).draft
+    assert not plain.fc_norm and not plain.norm_output
     for algo, expected in (("eagle3", True), ("eagle1", False)):
-        draft = compose(["recipe=smollm2-135m-instruct", f"draft={algo}"]).draft
-        assert draft.fc_norm and draft.norm_output  # what the recipe asks for, whatever the algorithm
+        draft = compose(["recipe=smollm2-135m-instruct", f"draft={algo}", "draft.fc_norm=true",
+                         "draft.norm_output=true"]).draft
+        assert draft.fc_norm and draft.norm_output  # what the overrides ask for, whatever the algorithm
         cfg = head_config_from_target(model.config, DraftConfig(**{**vars(draft), "draft_vocab_size": DRAFT_VOCAB,
                                                                     "aux_layer_ids": None}))
         assert (cfg.fc_norm, cfg.norm_output) == (expected, expected), algo

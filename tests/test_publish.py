@@ -68,8 +68,12 @@ def test_dry_run_writes_card_with_figures_and_provenance(run_dir, tiny_target_di
     assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
     row = next(line for line in body.splitlines() if line.startswith("| mt_bench"))
     assert "| 80 |" in row and "2.71" in row and "1.85x" in row and "2.04x" in row
-    assert "kind=dynamic, total_tokens=16" in row and "Test CPU 9000" in row and "| 0.00 |" in row
-    assert "| bfloat16 |" in row  # the dtype every figure of the row is for
+    assert "| `eval` |" in row  # the report by the name it was given, not this machine's path
+    # One report: its machine is the subsection, every setting is in the line above the table, none in the row.
+    assert "### Test CPU 9000, 2 torch threads\n" in body
+    line = next(line for line in body.splitlines() if line.startswith("Settings of every row below:"))
+    assert "dtype=bfloat16," in line and "temperature=0.00" in line and "kind=dynamic, total_tokens=16" in line
+    assert "bfloat16" not in row and "dynamic" not in row and "Test CPU" not in row
     assert "num_conversations=321" in body and "num_tokens=45678" in body
     assert "/home/someone/private" not in body  # paths from the manifest stay out of the card
     assert f"eagle-train target.path={tiny_target_dir}" in body and "train.max_steps=77" in body
@@ -250,6 +254,41 @@ def test_card_rows_give_acceptance_by_depth_and_losslessness(run_dir, tmp_path):
     assert "| bfloat16 |" in rows[0]  # target and head alike: one dtype
 
 
+def test_card_groups_rows_by_machine_with_shared_settings_above_each_table(run_dir, tmp_path):
+    """One subsection per machine, in the order the reports were given; a setting every row of a machine shares
+    is said once above its table, one that differs is a column of it; a figure no row has is no column."""
+    cpu = {"cpu": "CPU A", "cpu_count": 2, "torch_threads": 2, "device": "cpu", "torch_version": "2.13.0"}
+    gpu = {"cpu": "CPU B", "cpu_count": 16, "torch_threads": 4, "device": "cuda:0", "accelerator": "Test GPU",
+           "torch_version": "2.13.0"}
+
+    def report(name: str, hardware: dict, temperature: float, prompts: str = "mt_bench") -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "report.json").write_text(json.dumps({
+            "num_prompts": 20, "tau": 2.0 + temperature, "speedup": 1.5, "greedy_match": None,
+            "settings": {"prompts": prompts, "temperature": temperature, "dtype": "float32", "max_new_tokens": 128,
+                         "tree": {"tree": "auto", "tree_depth": 4}, "hardware": hardware}}))
+        return folder
+
+    given = [report("a-t0", cpu, 0.0), report("b", gpu, 0.0, "humaneval"), report("a-t1", cpu, 1.0)]
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true",
+                           f"publish.reports=[{','.join(str(g) for g in given)}]"))
+    _, body = _card(hub)
+    figures = body.split("## Measured figures")[1].split("## Training")[0]
+    _, a, b = figures.split("\n### ")
+    assert a.startswith("CPU A, 2 cores, 2 torch threads\n")
+    assert b.startswith("Test GPU, host CPU B, 16 cores, 4 torch threads, device cuda:0\n")
+    assert ("Settings of every row below: acceptance=exact (lossless), dtype=float32, max_new_tokens=128, "
+            "tree=auto, tree_depth=4, torch=2.13.0.") in a  # not temperature: it differs
+    assert "| benchmark | prompts | temperature | tau | speedup vs HF generate | greedy output | report |" in a
+    rows = [line for line in a.splitlines() if line.startswith("| mt_bench")]
+    assert rows == ["| mt_bench | 20 | 0.00 | 2.00 | 1.50x | sampled (no greedy comparison) | `a-t0` |",
+                    "| mt_bench | 20 | 1.00 | 3.00 | 1.50x | sampled (no greedy comparison) | `a-t1` |"]
+    assert "temperature=0.00" in b and "| temperature |" not in b  # one row: every setting is shared
+    assert [line for line in b.splitlines() if line.startswith("| humaneval")] == \
+        ["| humaneval | 20 | 2.00 | 1.50x | sampled (no greedy comparison) | `b` |"]
+
+
 def test_card_row_names_the_head_dtype_where_it_differs_from_the_target():
     from eagle.export.publish import _dtype_text
 
@@ -259,3 +298,42 @@ def test_card_row_names_the_head_dtype_where_it_differs_from_the_target():
     assert _dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "int8_weight_only"}) == \
         "bfloat16 (head bfloat16, int8 weight only)"
     assert _dtype_text({"dtype": "float32"}) == "float32"  # reports from before the head had its own dtype
+
+
+def _approximate_report(folder: Path, **fields) -> Path:
+    folder.mkdir()
+    report = {"acceptance": "typical", "lossless": False,
+              "acceptance_settings": {"rule": "typical", "typical_epsilon": 0.09, "typical_delta": 0.3},
+              "distribution_shift": {"tv": 0.0312, "kl": 0.0051, "kl_infinite": 0, "positions": 900},
+              "num_prompts": 20, "num_turns": 20, "tau": 2.4, "speedup": 1.9, "greedy_match": None,
+              "settings": {"prompts": "mt_bench", "temperature": 1.0, "dtype": "bfloat16"}}
+    (folder / "report.json").write_text(json.dumps({**report, **fields}))
+    return folder
+
+
+def test_card_never_shows_an_approximate_figure_without_its_label(run_dir, tmp_path):
+    typical = _approximate_report(tmp_path / "typical")
+    hub = run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true",
+                           f"publish.reports=[{run_dir / 'eval'},{typical}]"))
+    _, body = _card(hub)
+    rows = [line for line in body.splitlines() if line.startswith("| mt_bench")]
+    assert len(rows) == 2
+    assert "APPROXIMATE" not in rows[0]  # the exact report (a report from before the field: exact)
+    assert rows[1].startswith("| mt_bench **[APPROXIMATE acceptance: typical (epsilon=0.09, delta=0.3), not lossless]** |")
+    assert "| 2.40 |" in rows[1] and "NOT lossless (typical acceptance): emitted law vs the target's TV 0.0312, KL 0.0051" in rows[1]
+    assert "Rows marked APPROXIMATE" in body
+    assert "HF transformers generate (PyTorch eager)" in body
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lossless": True}, "only exact acceptance is lossless"),
+    ({"acceptance": "exact"}, "only exact acceptance is lossless"),  # lossless false with exact
+    ({"acceptance": "exact", "lossless": True, "acceptance_settings": {"rule": "exact"}}, "distribution shift"),
+    ({"acceptance_settings": {"rule": "lenient"}}, "acceptance_settings"),
+    ({"acceptance": "sloppy"}, "not one of"),
+])
+def test_report_whose_acceptance_fields_disagree_is_refused(run_dir, tmp_path, fields, message):
+    bad = _approximate_report(tmp_path / "bad", **fields)
+    with pytest.raises(PublishError, match=message):
+        run_publish(_cfg(run_dir, tmp_path / "out", "publish.dry_run=true", f"publish.reports=[{bad}]"))
+    assert not (tmp_path / "out" / "hub").exists()  # refused before anything was written

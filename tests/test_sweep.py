@@ -85,6 +85,21 @@ def test_eval_summary_and_objectives(tmp_path):
     assert objective("export", None) is None
 
 
+def test_eval_summary_labels_approximate_jobs(tmp_path):
+    from eagle.sweep import job_figures
+
+    assert job_figures("eval", {"tau": 2.0, "acceptance": "typical"}, tmp_path)["acceptance"] == "typical"
+    assert job_figures("eval", {"tau": 2.0}, tmp_path)["acceptance"] == "exact"  # reports before the field
+    _record(tmp_path, 0, "0.0001", stage="eval", tau=1.4)
+    rec = _record(tmp_path, 1, "0.0003", stage="eval", tau=1.9)
+    rec["figures"]["acceptance"] = "lenient"
+    (tmp_path / "1_lr-0.0003" / "sweep_job.json").write_text(json.dumps(rec))
+    text = summary_markdown(build_summary(collect_records(tmp_path), []), tmp_path)
+    assert "| 1.40 | 0.90 |" in text
+    assert "| 1.90 (APPROXIMATE: lenient, not lossless) | 0.90 (APPROXIMATE: lenient, not lossless) |" in text
+    assert "1.900 (APPROXIMATE: lenient, not lossless)." in text  # the best job too
+
+
 # --------------------------------------------------------------------------------------- multirun CLI
 def _sweep(ws: Workspace, root: Path, *extra: str) -> subprocess.CompletedProcess:
     replaced = {"train.lr", *(e.split("=", 1)[0] for e in extra)}

@@ -19,6 +19,7 @@ cost (i + 1)x step 0 in attention although each query has only i keys beyond the
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from eagle.algorithms.losses import shift_left
 from eagle.heads.base import DraftHead
@@ -85,8 +86,6 @@ def ttt_forward(
     dense_mask=True attends through SDPA with the dense `ttt_mask` (the plain definition, which
     `scripts/bench_ttt.py` times against the default structured attention; the results are equal).
     """
-    from transformers import DynamicCache
-
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     base_pos = ttt_position_ids(attention_mask) if position_ids is None else position_ids

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch.utils.data import Dataset, Sampler
 
 from eagle.algorithms import get_algorithm
@@ -104,8 +105,6 @@ class CaptureDataset(Dataset):
             self._index.extend((s, i) for i in range(len(ids)))
 
     def _read_index(self, path: Path, entry: dict[str, Any]) -> tuple[list[int], list[str]]:
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as f:
                 offsets = f.get_tensor("offsets").tolist()
@@ -140,8 +139,6 @@ class CaptureDataset(Dataset):
         return [self._offsets[s][i + 1] - self._offsets[s][i] for s, i in self._index]
 
     def _handle(self, s: int) -> Any:
-        from safetensors import safe_open
-
         if os.getpid() != self._pid:  # a DataLoader worker: handles do not survive fork
             self._handles, self._pid = {}, os.getpid()
         if s not in self._handles:

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from accelerate import PartialState
 from torch import nn
+from tqdm.auto import tqdm
 
 from eagle.algorithms import get_algorithm
 from eagle.capture.features import check_layer_ids, extract_features, idle_forward
@@ -50,6 +52,7 @@ from eagle.capture.store import (
 )
 from eagle.capture.vllm_engine import VllmEngine, target_without_weights
 from eagle.config import CaptureConfig, ConfigError, RootConfig
+from eagle.data.dataset import build_splits, data_fingerprint
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
 from eagle.precision import DTYPES, resolve_dtype
@@ -339,8 +342,6 @@ def capture_splits(
     in-process `model` (capture.backend=vllm: model None); `engine` is the manifest's record of what
     computed the features (default: transformers and its version).
     """
-    from tqdm.auto import tqdm
-
     try:
         algo = get_algorithm(algorithm)
     except ConfigError as e:
@@ -470,10 +471,6 @@ def capture_splits(
 
 def run_capture(cfg: RootConfig) -> dict[str, Any]:
     """The `eagle-capture` stage: target + data splits from `cfg`, features into `cfg.output_dir`."""
-    from accelerate import PartialState
-
-    from eagle.data.dataset import build_splits, data_fingerprint
-
     if cfg.capture.backend == "vllm":
         return run_capture_vllm(cfg)
 
@@ -511,8 +508,6 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
 def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
     """`eagle-capture capture.backend=vllm`: the same splits, shards and manifest, the target in vLLM (one
     engine, which parallelises itself: capture.tensor_parallel_size) and no weights in this process."""
-    from eagle.data.dataset import build_splits, data_fingerprint
-
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise CaptureError(f"capture.backend=vllm runs one vLLM engine from one process, but WORLD_SIZE="
                            f"{os.environ['WORLD_SIZE']} processes were launched; run a single process (vLLM spreads "

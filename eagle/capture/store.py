@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from eagle.artifacts import MANIFEST
 from eagle.errors import CaptureError
@@ -111,8 +112,6 @@ def write_shard(
     dtype: str,
 ) -> dict[str, Any]:
     """Write one shard atomically and return its manifest entry."""
-    from safetensors.torch import save_file
-
     lengths = [len(x) for x in input_ids]
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)

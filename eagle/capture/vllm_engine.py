@@ -47,6 +47,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import cached_file
 
 from eagle.config import CaptureConfig, TargetConfig
 from eagle.errors import CaptureError
@@ -151,8 +153,6 @@ class FinalNorm:
     the config (no weights loaded), then given its weights from the checkpoint files."""
 
     def __init__(self, target: TargetConfig, resolved: str, dtype: torch.dtype) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         config = AutoConfig.from_pretrained(resolved, revision=target.revision,
                                             trust_remote_code=target.trust_remote_code)
         with torch.device("meta"):  # the module classes and names, not a byte of weights
@@ -181,8 +181,6 @@ def _checkpoint_tensors(resolved: str, revision: str | None, names: list[str], a
     """Tensors `names` from the checkpoint's safetensors files (an index, or one file), reading only them.
     A name missing under its module path is looked up by its last parts (`norm.weight`) outside the layers:
     some checkpoints save the decoder under another prefix than the class uses."""
-    from transformers.utils import cached_file
-
     index = cached_file(resolved, "model.safetensors.index.json", revision=revision,
                         _raise_exceptions_for_missing_entries=False)
     if index:
@@ -212,8 +210,6 @@ def _checkpoint_tensors(resolved: str, revision: str | None, names: list[str], a
 
 def target_without_weights(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, TargetInfo]:
     """Tokenizer and `TargetInfo` of `target.path` from its config alone: vLLM holds the weights."""
-    from transformers import AutoConfig
-
     resolved, fingerprint = resolve_target_path(cfg)
     tokenizer = load_tokenizer(cfg, resolved)
     config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)

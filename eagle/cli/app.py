@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, read_write
 
 from eagle import sweep
@@ -41,15 +43,11 @@ def conf_dir() -> Path:
 
 def compose(overrides: Sequence[str] = ()) -> RootConfig:
     """Compose and validate the config as an entry point would (for tests and notebooks)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     register_configs()
     sweep.register_resolvers()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    with hydra.initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra.compose(config_name="config", overrides=list(overrides))
     return to_root_config(cfg)
 
 
@@ -155,8 +153,6 @@ def _run_stage(stage: str, stage_fn: Callable[[RootConfig], Any], raw: Any) -> A
 
 def run_app(stage: str, stage_fn: Callable[[RootConfig], Any]) -> None:
     """Run `stage_fn` as a Hydra app composed from `conf/` (single run, or one job of a multirun)."""
-    import hydra
-
     register_configs()
     sweep.register_resolvers()
 

@@ -10,13 +10,20 @@ Re-running the same command (any N) resumes at the first missing shard.
 
 from __future__ import annotations
 
+from typing import Any
+
 from eagle.cli.app import run_app
+from eagle.config import RootConfig
+
+
+def _stage(cfg: RootConfig) -> dict[str, Any]:
+    from eagle.capture.runner import run_capture  # startup: loads torch; the config is checked first
+
+    return run_capture(cfg)
 
 
 def main() -> None:
-    from eagle.capture.runner import run_capture
-
-    run_app("capture", run_capture)
+    run_app("capture", _stage)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def rewrite_check_flag(argv: Sequence[str]) -> list[str]:
 
 
 def _stage(cfg) -> None:
-    from eagle.export import run_export
+    from eagle.export import run_export  # startup: loads torch; the config is checked first
 
     run_export(cfg)
 

@@ -12,7 +12,7 @@ from eagle.cli.app import run_app
 
 
 def _stage(cfg) -> None:
-    from eagle.export.publish import run_publish
+    from eagle.export.publish import run_publish  # startup: loads torch; the config is checked first
 
     run_publish(cfg)
 

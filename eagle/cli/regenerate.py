@@ -16,22 +16,20 @@ from eagle.config import RootConfig
 
 
 def regenerate_stage(cfg: RootConfig) -> None:
+    # startup: these load torch (seconds); the entry point composes and checks the config first
+    from accelerate import PartialState
+
     from eagle.data.dataset import load_conversations
     from eagle.data.regenerate import default_output, regenerate
+    from eagle.data.server import ServerBackend
+    from eagle.targets import load_target, load_tokenizer, resolve_target_path
 
     if cfg.regenerate.backend == "server":
-        from eagle.data.server import ServerBackend
-        from eagle.targets import load_tokenizer, resolve_target_path
-
         # The servers run the model; here only its tokenizer and chat template render the prompts.
         resolved, fingerprint = resolve_target_path(cfg.target)
         tokenizer = load_tokenizer(cfg.target, resolved)
         target, dtype = ServerBackend(cfg.regenerate), None
     else:
-        from accelerate import PartialState
-
-        from eagle.targets import load_target
-
         device = cfg.device or PartialState().device
         target, tokenizer, info = load_target(cfg.target, device=device, stage="regenerate")
         fingerprint, dtype = info.fingerprint, info.dtype

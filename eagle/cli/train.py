@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from eagle.cli.app import run_app
 from eagle.config import RootConfig
+from eagle.errors import EagleError
 
 
 def run(cfg: RootConfig):
     """Train per `cfg`, print the summary; returns the `TrainResult` (its best tau_sim is a sweep's objective)."""
+    # startup: these load torch (seconds); the entry point composes and checks the config first
     from accelerate.state import PartialState
 
-    from eagle.errors import EagleError
     from eagle.export.loader import load_draft
     from eagle.train.trainer import TrainHooks, format_result, train
 

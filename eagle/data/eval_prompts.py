@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle.assets import asset_path
 from eagle.errors import DataError
 
 
@@ -46,8 +47,6 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
 def load_eval_prompts(name: str) -> list[EvalPrompt]:
     """Prompts of `mt_bench`, `humaneval`, or a local PATH.jsonl whose lines are
     `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category"), in file order."""
-    from eagle.assets import asset_path
-
     if name == "mt_bench":
         return [EvalPrompt(str(r["question_id"]), list(r["turns"]), r.get("category"))
                 for _, r in _read_jsonl(asset_path("mt_bench"))]

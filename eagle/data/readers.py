@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle.assets import asset_path
 from eagle.config import DataConfig
 from eagle.errors import DataError
 
@@ -120,7 +121,7 @@ def iter_jsonl(path: Path, report: ReadReport) -> Iterator[tuple[int, Any]]:
 
 def iter_parquet(path: Path, report: ReadReport) -> Iterator[tuple[int, Any]]:
     """A `.parquet` file, read batch by batch."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional: pyarrow is no direct dependency (datasets brings it)
 
     try:
         pf = pq.ParquetFile(path)
@@ -138,7 +139,7 @@ def iter_hub(cfg: DataConfig, report: ReadReport) -> Iterator[tuple[int, Any]]:
 
     `data.path` may be a Hub name or a local folder of data files (the same call handles both).
     """
-    import datasets
+    import datasets  # heavy: datasets (~1 s), only for data.source=hub
 
     try:
         ds = datasets.load_dataset(cfg.path, cfg.hub_subset, split=cfg.hub_split, streaming=True)
@@ -161,8 +162,6 @@ def iter_hub(cfg: DataConfig, report: ReadReport) -> Iterator[tuple[int, Any]]:
 def iter_records(cfg: DataConfig, report: ReadReport) -> Iterator[tuple[int, Any]]:
     """The raw records of `cfg`'s source, in file order."""
     if cfg.source == "sharegpt":
-        from eagle.assets import asset_path
-
         path = asset_path("sharegpt")
         report.source = "sharegpt"
         yield from iter_json_array(path, report, allow_truncated_tail=True)

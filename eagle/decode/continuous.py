@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 
 from eagle.decode.accept import process_logits, sample_index
 from eagle.errors import TargetError
@@ -126,8 +127,6 @@ class slot_attention_enabled:
         self.saved: list[tuple[Any, str | None]] = []
 
     def __enter__(self) -> None:
-        from transformers import AttentionInterface
-
         AttentionInterface.register(ATTENTION_NAME, slot_attention)
         configs = [self.model.config, text_config(self.model.config)]
         for cfg in {id(c): c for c in configs}.values():

@@ -144,8 +144,9 @@ def tree_from_pool(pool: DraftPool, root_token: int, total_tokens: int) -> Tree:
 
 def uses_sampled_drafts(decode: DecodeConfig) -> bool:
     """`decode.draft_choice`: sampled chains at T > 0 under sample, and under auto unless the tree is
-    static (a static tree is a fixed set of top-k ranks)."""
-    if decode.temperature <= 0:
+    static (a static tree is a fixed set of top-k ranks). Never under an approximate decode.acceptance:
+    those rules act on top-k trees."""
+    if decode.temperature <= 0 or decode.acceptance != "exact":
         return False
     return decode.draft_choice == "sample" or (decode.draft_choice == "auto" and decode.tree != "static")
 

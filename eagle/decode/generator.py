@@ -5,7 +5,9 @@ verifies root + tree under the tree mask; `walk_tree` picks the accepted path pl
 both KV caches keep only the accepted path; the head commits the accepted tokens with the target
 features of that same verify pass, which also gives the hidden state drafting the next tree. With
 `decode.lookup_tokens`, a prompt-lookup proposal joins the head's tree before the verify pass
-(`eagle.decode.lookup`); the rest of the step is unchanged.
+(`eagle.decode.lookup`); the rest of the step is unchanged. Under an approximate `decode.acceptance`
+(`eagle.decode.approximate`, never the default) the walk also accepts drafts the target's draw missed;
+the output is then NOT lossless, and `GenerationResult.shift` says how far the emitted law moved.
 
 Counting: `target_forwards` counts verify passes (prefill excluded); `accept_lengths[i]` is the number
 of tokens step i emitted (accepted drafts + the bonus token), so the mean acceptance length is
@@ -26,6 +28,7 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.decode.accept import Acceptance, sample_token, walk_tree, walk_tree_sampled
+from eagle.decode.approximate import AcceptanceRule, ShiftStats, walk_tree_approx
 from eagle.decode.autotree import (
     AutoTreeState,
     choose_chain_length,
@@ -81,6 +84,8 @@ class GenerationResult:
     lookup_accepted: list[int] = field(default_factory=list)  # of those, accepted per pass
     timings: Timings = field(default_factory=Timings)
     stop_reason: str = "max_new_tokens"  # eos | stop_string | max_new_tokens
+    # Distance of the emitted law from the target's over the verified positions (0 under exact acceptance).
+    shift: ShiftStats = field(default_factory=ShiftStats)
 
 
 def _as_ids(input_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,7 +104,8 @@ def _model_device(model: Any) -> torch.device:
 
 
 class SpeculativeGenerator:
-    """EAGLE tree speculative decoding whose output follows the target's own (greedy or sampled) law."""
+    """EAGLE tree speculative decoding whose output follows the target's own (greedy or sampled) law, unless
+    `decode.acceptance` names an approximate rule (then `GenerationResult.shift` measures the difference)."""
 
     def __init__(self, target: Any, head: DraftHead, tokenizer: Any, decode_cfg: DecodeConfig,
                  device: torch.device | str | None = None) -> None:
@@ -126,6 +132,7 @@ class SpeculativeGenerator:
         self._commit_s = 0.0  # running mean of the head's per-step commit time (sampled chain length)
         self.lookup_stats = LookupStats(decode_cfg.lookup_tokens) if decode_cfg.lookup_tokens else None
         self.last_result: GenerationResult | None = None
+        self.rule = AcceptanceRule.from_config(decode_cfg)
 
     def _prepare_head(self, head: DraftHead, target_dtype: torch.dtype) -> DraftHead:
         """The head in `decode.draft_dtype`, with int8 linears under `decode.draft_weights=int8` (fbgemm's
@@ -162,7 +169,14 @@ class SpeculativeGenerator:
         c = self.cfg
         return sample_token(logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
 
-    def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:  # logits: [N + 1, V] from the verify pass
+    def _accept(self, tree: Tree, logits: torch.Tensor) -> tuple[Acceptance, ShiftStats]:  # logits: [N + 1, V]
+        c = self.cfg
+        if not self.rule.lossless:  # top-k trees only: config validation refuses sampled drafts here
+            return walk_tree_approx(tree.tokens, tree.parents, logits, self.rule, c.temperature, c.top_k, c.top_p,
+                                    generator=self.rng)
+        return self._accept_exact(tree, logits), ShiftStats()
+
+    def _accept_exact(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         c = self.cfg
         if tree.draft_probs:
             return walk_tree_sampled(tree.tokens, tree.parents, logits, tree.draft_probs, c.temperature, c.top_k,
@@ -270,7 +284,9 @@ class SpeculativeGenerator:
             out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
             t2 = time.perf_counter()
-            acc = self._accept(tree, out.logits)
+            acc, shift = self._accept(tree, out.logits)
+            shift.positions = len(acc.tokens)  # every reached node emitted one token (exact: shift 0 there)
+            res.shift.add(shift)
             if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
                 self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
             keep_cache_entries(tcache, root_pos, acc.nodes)

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 def evaluate(cfg: RootConfig) -> dict[str, Any]:
-    """See `eagle.evaluate.runner.evaluate` (imported lazily: importing the package loads no models)."""
+    """See `eagle.evaluate.runner.evaluate`."""
+    # startup: eagle.sweep imports eagle.evaluate.plots at CLI start; the runner would load torch
     from eagle.evaluate.runner import evaluate as _evaluate
 
     return _evaluate(cfg)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 
 def _figure():
-    import matplotlib
+    import matplotlib  # heavy: matplotlib (~0.8 s), only when a plot is drawn
 
     matplotlib.use("Agg", force=True)  # headless: never try to open a window
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above (after use(), so pyplot starts on Agg)
 
     return plt
 

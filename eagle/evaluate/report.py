@@ -7,6 +7,10 @@ Per-turn records (built by the runner) look like
                "hf_generate": {"tokens": [...], "seconds": 1.9}, ...},
    "greedy_match": true | None, "first_mismatch": None | int}
 and are grouped per prompt. Everything in the report is recomputable from `per_prompt`.
+
+A report says how its tokens were accepted: `acceptance` (exact | typical | lenient), `lossless` (true
+only for exact) and `distribution_shift` (TV and KL of the emitted law from the target's, 0 for exact)
+lead report.json, and an approximate rule is named in report.md's first line.
 """
 
 from __future__ import annotations
@@ -19,28 +23,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from eagle.artifacts import REPORT
+from eagle.decode.approximate import acceptance_label
 from eagle.evaluate import metrics
 from eagle.fileio import atomic_write_text
 
 SPEC = "speculative"
+# What every `speedup` is measured against, in those words and no more: not vLLM, SGLang or llama.cpp.
+SPEEDUP_BASELINE = "HF transformers generate (PyTorch eager)"
+SHIFT_KEYS = ("positions", "tv", "kl", "kl_infinite")
+
+
+# The CPU features that change which kernels run (and so the timings): a report names the ones present.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def hardware_info(device: torch.device | str) -> dict[str, Any]:
-    """What the timings were measured on: CPU model, torch threads, library versions, accelerator."""
+    """What the timings were measured on: CPU model and its kernel-relevant flags, torch threads, library
+    versions, accelerator."""
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    import transformers
-
+        lines = []
+    for line in lines:
+        key = line.split(":", 1)[0].strip().lower()
+        if key == "model name" and cpu in (platform.processor(), platform.machine()):
+            cpu = line.split(":", 1)[1].strip()
+        elif key == "flags" and not flags:
+            present = set(line.split(":", 1)[1].split())
+            flags = [f for f in CPU_FLAGS if f in present]
     info: dict[str, Any] = {
         "cpu": cpu,
+        "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
@@ -71,6 +89,8 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
         "tokens_by_method": {m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"])
                              for m in methods},
         "greedy_match": None if any(x is None for x in matches) else all(matches),
+        # Sums over the turns' verified positions (eagle.decode.approximate.ShiftStats); absent: exact.
+        "shift": {k: sum((s.get("shift") or {}).get(k, 0) for s in spec) for k in SHIFT_KEYS},
         "turns": [
             {
                 "turn": t["turn"],
@@ -83,6 +103,7 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
                 "divergence": t.get("divergence"),
                 "timings": t["methods"][SPEC].get("timings", {}),
                 "answer": t.get("answer", ""),
+                "hf_generate_answer": t.get("hf_generate_answer"),
             }
             for t in turns
         ],
@@ -126,8 +147,25 @@ def _overhead(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_depth: int | None = None) -> dict[str, Any]:
-    """The headline numbers of a report, all recomputable from `per_prompt`."""
+def distribution_shift(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean TV(p, q) and KL(q || p) over the verified positions, p the target's processed law and q the
+    law the acceptance rule emitted with (exactly 0 under exact acceptance). `kl` is None (infinite)
+    when some position gave mass to a token the target's law gives 0 (`kl_infinite` of them)."""
+    total = {k: sum((p.get("shift") or {}).get(k, 0) for p in per_prompt) for k in SHIFT_KEYS}
+    n = total["positions"]
+    return {
+        "tv": total["tv"] / n if n else 0.0,
+        "kl": None if total["kl_infinite"] else (total["kl"] / n if n else 0.0),
+        "kl_infinite": total["kl_infinite"],
+        "positions": n,
+    }
+
+
+def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_depth: int | None = None,
+              acceptance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The headline numbers of a report, all recomputable from `per_prompt`. `acceptance`: the rule and
+    its thresholds (`AcceptanceRule.settings()`); None = exact."""
+    acceptance = dict(acceptance or {"rule": "exact"})
     lengths = [n for p in per_prompt for n in p["accept_lengths"]]
     forwards = sum(p["target_forwards"] for p in per_prompt)
     methods = sorted({m for p in per_prompt for m in p["seconds"]})
@@ -154,6 +192,11 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
     grafted = [n for p in per_prompt for n in p.get("lookup_nodes", [])]
     grafted_accepted = sum(n for p in per_prompt for n in p.get("lookup_accepted", []))
     report = {
+        # First in report.json: how the tokens were accepted, and whether the output is the target's own law.
+        "acceptance": acceptance["rule"],
+        "lossless": acceptance["rule"] == "exact",
+        "acceptance_settings": acceptance,
+        "distribution_shift": distribution_shift(per_prompt),
         "num_prompts": len(per_prompt),
         "num_turns": sum(len(p["turns"]) for p in per_prompt),
         "new_tokens": sum(p["new_tokens"] for p in per_prompt),
@@ -173,6 +216,7 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
         "speedup_vs_prompt_lookup": ratio("prompt_lookup"),
         "speedup_vs_autoregressive": ratio("autoregressive"),
         "speedup_basis": "tokens/s ratio (= baseline time / speculative time when outputs are equal)",
+        "speedup_baseline": SPEEDUP_BASELINE,
         "greedy_match": greedy,
         "methods": by_method,
         "decoder": decoder,
@@ -192,8 +236,9 @@ def _fmt(x: Any, digits: int = 2) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """A short human-readable summary of `report` (what a model card or PR description needs)."""
     s = report["settings"]
+    label = acceptance_label(report.get("acceptance_settings") or report.get("acceptance"))
     lines = [
-        f"# eagle-eval: {s['target']} + {s['draft_path']}",
+        f"# {label + ' | ' if label else ''}eagle-eval: {s['target']} + {s['draft_path']}",
         "",
         f"Prompts: {s['prompts']} ({report['num_prompts']} prompts, {report['num_turns']} turns, turns={s['turns']}), "
         f"temperature {s['temperature']}, max_new_tokens {s['max_new_tokens']}, tree {s['tree']}.",
@@ -212,11 +257,17 @@ def markdown(report: dict[str, Any]) -> str:
         sp = "-" if name == SPEC else _fmt(report.get(key.get(name, ""))) + "x"
         lines.append(f"| {name} | {m['tokens']} | {_fmt(m['seconds'])} | {_fmt(m['tokens_per_s'], 1)} | {sp} |")
     dec = report["decoder"]
+    greedy_note = (" (reported, not checked: the approximate rule changes the output by design)"
+                   if label and report.get("greedy_match") is not None else "")
     lines += [
+        "",
+        f"Speedup baseline: {report.get('speedup_baseline', SPEEDUP_BASELINE)}, tokens/s ratio on this machine "
+        "(not a serving engine such as vLLM, SGLang or llama.cpp).",
         "",
         f"- tau (tokens per target forward, bonus included): **{_fmt(report['tau'])}**",
         f"- acceptance rate by depth: {', '.join(_fmt(r) for r in report['accept_rate_by_depth']) or 'n/a'}",
-        f"- greedy match with HF generate: {_fmt(report['greedy_match'])}",
+        *_shift_lines(report),
+        f"- greedy match with HF generate: {_fmt(report['greedy_match'])}{greedy_note}",
         *_divergence_lines(report.get("divergence")),
         f"- decoder overhead (share of speculative time outside target forwards): "
         f"{_fmt(dec.get('decoder_overhead_share'))} = head {_fmt(dec.get('draft_share'))} + bookkeeping "
@@ -235,6 +286,19 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("plots"):
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report["plots"].values()]]
     return "\n".join(lines) + "\n"
+
+
+def _shift_lines(report: dict[str, Any]) -> list[str]:
+    d = report.get("distribution_shift")
+    if not d:
+        return []
+    rule = report.get("acceptance", "exact")
+    kl = "inf" if d["kl"] is None else _fmt(d["kl"], 4)
+    why = (" (lossless: 0 by construction)" if rule == "exact" else
+           f"; KL is infinite at {d['kl_infinite']} positions, where the rule emitted a token the target's law gives 0"
+           if d["kl_infinite"] else "")
+    return [f"- acceptance rule **{rule}**; shift of the emitted law from the target's, mean over {d['positions']} "
+            f"verified positions: TV {_fmt(d['tv'], 4)}, KL(emitted || target) {kl}{why}"]
 
 
 def _divergence_lines(d: dict[str, Any] | None) -> list[str]:

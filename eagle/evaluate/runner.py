@@ -7,7 +7,9 @@ For every prompt turn, on identical input ids and with the same torch thread cou
   * `prompt_lookup` - HF prompt-lookup decoding (n-gram drafts from the prompt, no head).
 With `eval.turns=all` the next user turn follows the speculative decoder's own previous answer, so
 every method sees the same conversation. At temperature 0 the speculative tokens are compared with
-HF generate's, which must be identical. Measurements are appended per prompt to
+HF generate's, which must be identical under `decode.acceptance=exact`; under an approximate rule the
+match fraction is reported, not checked, and the report is labelled as not lossless throughout
+(`acceptance`, `lossless`, `distribution_shift`). Measurements are appended per prompt to
 `eval_progress.jsonl`, so an interrupted run resumes where it stopped (same settings only).
 """
 
@@ -23,17 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from eagle.artifacts import resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
+from eagle.decode.approximate import AcceptanceRule, acceptance_label
+from eagle.decode.draft import uses_sampled_drafts
+from eagle.decode.generator import SpeculativeGenerator, autoregressive_generate
 from eagle.evaluate import metrics, plots
 from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
 from eagle.evaluate.divergence import divergence_at
 from eagle.evaluate.divergence import summarize as summarize_divergence
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
 from eagle.export.loader import load_draft
+from eagle.targets import load_target
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"
@@ -45,8 +52,6 @@ def resolve_device(cfg: RootConfig) -> torch.device:
     """`cfg.device` if given, else accelerate's choice for this process."""
     if cfg.device:
         return torch.device(cfg.device)
-    from accelerate import PartialState
-
     return PartialState().device
 
 
@@ -102,6 +107,7 @@ def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
             "lookup_accepted": [int(n) for n in res.lookup_accepted],
             "timings": timings,
             "stop_reason": res.stop_reason,
+            "shift": asdict(res.shift),  # distance of the emitted law from the target's (0 under exact)
         }
 
     return run
@@ -109,7 +115,6 @@ def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
 
 def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: DecodeConfig) -> dict[str, TurnRunner]:
     """The baselines named in `eval.baselines`, each as input_ids -> {tokens, seconds}."""
-    from eagle.decode.generator import autoregressive_generate
 
     def autoregressive(input_ids: torch.Tensor) -> dict[str, Any]:
         res, seconds = timed(lambda: autoregressive_generate(target, tokenizer, input_ids, decode))
@@ -147,6 +152,8 @@ def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner
                                                   record["first_mismatch"])
         answers.append(answer_text(tokenizer, spec, stop_ids))
         record["answer"] = answers[-1]
+        if "hf_generate" in methods:  # the target alone on the same input (HumanEval scores both)
+            record["hf_generate_answer"] = answer_text(tokenizer, methods["hf_generate"]["tokens"], stop_ids)
         turns.append(record)
     return prompt_record(prompt.id, prompt.category, turns)
 
@@ -156,8 +163,6 @@ def _divergence_fn(cfg: RootConfig, target: Any, device: torch.device, dtype: st
     holder: dict[str, Any] = {"model": target if dtype == "float32" else None}
 
     def fn(input_ids: torch.Tensor, ours: list[int], theirs: list[int], position: int) -> dict[str, Any]:
-        from eagle.targets import load_target
-
         if holder["model"] is None:
             log.info("greedy output left HF generate's in %s: loading a float32 copy of the target to check "
                      "the divergence", dtype)
@@ -218,8 +223,6 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
     if decode.lookup_tokens:
         out.update(lookup_tokens=decode.lookup_tokens, lookup_ngram=[decode.lookup_min_ngram, decode.lookup_max_ngram])
     if decode.temperature > 0:  # what the head's drafts are (at T=0 always its top-k)
-        from eagle.decode.draft import uses_sampled_drafts
-
         out["draft_choice"] = "sample (chain)" if uses_sampled_drafts(decode) else "topk"
     return out
 
@@ -237,8 +240,6 @@ def _max_depth(decode: DecodeConfig) -> int | None:
 def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, device: torch.device,
                    decode: DecodeConfig, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]]) -> list[dict]:
     """Speculative decoding at each `eval.tree_sweep` size on the main run's exact turn inputs."""
-    from eagle.decode.generator import SpeculativeGenerator
-
     by_id = {p.id: p for p in prompts}
     hf_tokens = sum(p["tokens_by_method"].get("hf_generate", 0) for p in per_prompt)
     hf_seconds = sum(p["seconds"].get("hf_generate", 0.0) for p in per_prompt)
@@ -267,27 +268,32 @@ def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, devi
 
 def _plots(report: dict[str, Any], out: Path) -> dict[str, str]:
     files = {}
+    label = acceptance_label(report.get("acceptance_settings"))
+
+    def title(default: str) -> str:  # '' keeps the plot's own title; an approximate rule is named on every plot
+        return f"{default}\n{label}" if label else ""
+
     hist = {int(k): v for k, v in report["accept_length_histogram"].items()}
     if hist:
-        files["accept_length_histogram"] = plots.plot_accept_length_histogram(hist, out / "accept_length_hist.png")
+        files["accept_length_histogram"] = plots.plot_accept_length_histogram(
+            hist, out / "accept_length_hist.png", title("Acceptance length distribution"))
     if report["accept_rate_by_depth"]:
         files["accept_by_depth"] = plots.plot_accept_by_depth(
-            report["accept_rate_by_depth"], report["accept_fraction_by_depth"], out / "accept_by_depth.png")
+            report["accept_rate_by_depth"], report["accept_fraction_by_depth"], out / "accept_by_depth.png",
+            title("Acceptance by draft depth"))
     files["throughput"] = plots.plot_throughput(
-        {m: v["tokens_per_s"] for m, v in report["methods"].items()}, out / "throughput.png")
+        {m: v["tokens_per_s"] for m, v in report["methods"].items()}, out / "throughput.png",
+        title("Decoding throughput"))
     sweep = [r for r in report.get("tree_sweep", []) if r["speedup"] is not None]
     if sweep:
         files["speedup_vs_tree"] = plots.plot_speedup_vs_tree(
             [r["tree_total_tokens"] for r in sweep], [r["speedup"] for r in sweep], [r["tau"] for r in sweep],
-            out / "speedup_vs_tree.png")
+            out / "speedup_vs_tree.png", title("Speedup vs tree size"))
     return {k: str(v) for k, v in files.items()}
 
 
 def evaluate(cfg: RootConfig) -> dict[str, Any]:
     """Run the evaluation described by `cfg`; write report.json, report.md and plots to `cfg.output_dir`."""
-    from eagle.decode.generator import SpeculativeGenerator
-    from eagle.targets import load_target
-
     if not cfg.draft.path:
         raise ConfigError("eagle-eval needs draft.path=DIR (a training output dir, checkpoint dir or exported head)")
     resolve_draft(cfg.draft.path)  # fail on a wrong draft.path before minutes of model loading
@@ -308,7 +314,11 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             generator.calibrate()
         runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
         stop_ids = stop_token_ids(target, tokenizer)
-        divergence = _divergence_fn(cfg, target, device, info.dtype)
+        rule = AcceptanceRule.from_config(decode)
+        # The float32 recheck of greedy divergences claims losslessness: only for the exact rule (config
+        # validation refuses eval.divergence_check=true with an approximate one, which reports the match only).
+        check = rule.lossless if cfg.eval.divergence_check is None else cfg.eval.divergence_check
+        divergence = _divergence_fn(cfg, target, device, info.dtype) if check else None
 
         # Warm-up: first calls pay for allocator growth and kernel selection; not measured.
         for prompt in tqdm(prompts[: cfg.eval.warmup_prompts], desc="warm-up", unit="prompt"):
@@ -332,8 +342,8 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             _append_progress(progress, fingerprint, rec)
             per_prompt.append(rec)
 
-        report = aggregate(per_prompt, decode.temperature, _max_depth(decode))
-        if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines:
+        report = aggregate(per_prompt, decode.temperature, _max_depth(decode), acceptance=rule.settings())
+        if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines and check:
             turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
             report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)
             report["divergence"]["dtype"] = info.dtype

@@ -18,8 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+from omegaconf import OmegaConf
+from safetensors import safe_open
 
 from eagle.artifacts import TRAIN_CONFIG, resolve_draft
+from eagle.config import TargetConfig
 from eagle.errors import EagleError, ExportError
 from eagle.export.formats import (
     CONFIG_FILE,
@@ -41,6 +46,7 @@ from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.fileio import safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.precision import DTYPES as _DTYPES
+from eagle.targets import load_target, resolve_target_path
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +73,6 @@ def verifier_info(target_path: str | None, verifier: str | None = None, default:
     library loads offline; a Hub-id target stays its Hub id. "hub": the target's Hub id (what a
     published repo should name). Anything else is written as given (an existing folder made absolute).
     """
-    from eagle.config import TargetConfig
-    from eagle.targets import resolve_target_path
-
     mode = verifier or default
     local: Path | None = None
     if target_path:
@@ -103,9 +106,6 @@ def target_input_embedding(target_path: str) -> torch.Tensor:
     """The target's input embedding [vocab, hidden], read from its safetensors without building the
     model where possible (a local folder, or the Hub / local HF cache for a Hub id); otherwise the
     target is loaded once and its `get_input_embeddings()` taken."""
-    from eagle.config import TargetConfig
-    from eagle.targets import load_target, resolve_target_path
-
     target = TargetConfig(path=target_path)
     resolved, _ = resolve_target_path(target)
     try:
@@ -120,16 +120,11 @@ def target_input_embedding(target_path: str) -> torch.Tensor:
 
 
 def _embedding_from_safetensors(resolved: str, revision: str | None) -> torch.Tensor | None:
-    from safetensors import safe_open
-
     folder = Path(resolved)
 
     def get(name: str) -> Path | None:
         if folder.is_dir():
             return folder / name if (folder / name).is_file() else None
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
-
         try:
             return Path(hf_hub_download(resolved, name, revision=revision))
         except EntryNotFoundError:
@@ -273,8 +268,6 @@ def _trained_target_path(train_dir: Path | None) -> str | None:
     """`target.path` of the training run, from its resolved train_config.yaml."""
     if train_dir is None or not (train_dir / TRAIN_CONFIG).is_file():
         return None
-    from omegaconf import OmegaConf
-
     try:
         return str(OmegaConf.load(train_dir / TRAIN_CONFIG).target.path)
     except Exception:  # an unreadable or foreign yaml only loses this hint

@@ -54,6 +54,7 @@ from eagle.artifacts import EXPORT_CONFIG, HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError
 from eagle.errors import ExportError
 from eagle.heads.base import HEADS, HeadConfig
+from eagle.targets import default_aux_layer_ids
 
 FORMATS = ("vllm", "sglang", "speculators", "hf", "llamacpp")
 WEIGHTS_FILE = HEAD_WEIGHTS
@@ -288,8 +289,6 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
                 "eagle_aux_hidden_state_layer_ids"):
             aux = [int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         elif num_aux and num_target_layers is not None:
-            from eagle.targets import default_aux_layer_ids
-
             aux = default_aux_layer_ids(num_target_layers)
         cfg = HeadConfig(
             algorithm=algorithm,

@@ -17,8 +17,9 @@ from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.errors import CheckpointError, ExportError
 from eagle.export.formats import algorithm_of
 from eagle.export.validate import check_folder
-from eagle.heads.base import DraftHead
-from eagle.heads.io import load_head
+from eagle.heads.base import HEADS, DraftHead
+from eagle.heads.io import check_head_fits_target, load_head
+from eagle.targets import text_config
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,6 @@ def load_exported_head(folder: str | Path, target_model: Any, map_location: str 
     depth. Stored target-owned tensors (embed_tokens, EAGLE-1's lm_head) are not used: the head
     borrows the target's, and a warning says so if the stored ones differ.
     """
-    from eagle.heads.io import HEADS, check_head_fits_target
-    from eagle.targets import text_config
-
     text = text_config(target_model.config)
     head_data = check_folder(folder, num_target_layers=int(text.num_hidden_layers))
     cfg = head_data.config

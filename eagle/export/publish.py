@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from huggingface_hub import HfApi
+from omegaconf import OmegaConf
 
 from eagle.artifacts import CAPTURE_CONFIG, MANIFEST, REPORT, TRAIN_CONFIG, regeneration_meta
+from eagle.config import ACCEPTANCE_RULES
+from eagle.decode.approximate import acceptance_label
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, served_chain_length, write_export
 from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
@@ -47,7 +51,28 @@ def load_report(path: str | Path) -> dict[str, Any]:
         raise PublishError(f"publish.reports: {p} is not valid JSON: {e}") from e
     if not isinstance(data, dict) or "tau" not in data:
         raise PublishError(f"publish.reports: {p} is not an eagle-eval report (no 'tau' field)")
+    _check_acceptance(data, p)
     return data
+
+
+def _check_acceptance(report: dict[str, Any], path: Path) -> None:
+    """Refuse a report whose acceptance fields contradict each other, so that an approximate run can never
+    be published as an exact one. A report without them predates approximate rules: exact."""
+    rule = report.get("acceptance", "exact")
+    settings = report.get("acceptance_settings") or {"rule": rule}
+    shift = report.get("distribution_shift") or {}
+    problem = None
+    if rule not in ACCEPTANCE_RULES:
+        problem = f"acceptance={rule!r} is not one of {', '.join(ACCEPTANCE_RULES)}"
+    elif report.get("lossless", rule == "exact") != (rule == "exact"):
+        problem = f"acceptance={rule} but lossless={report.get('lossless')} (only exact acceptance is lossless)"
+    elif settings.get("rule") != rule:
+        problem = f"acceptance={rule} but acceptance_settings name {settings.get('rule')!r}"
+    elif rule == "exact" and (shift.get("tv") or shift.get("kl") or shift.get("kl_infinite")):
+        problem = f"acceptance=exact but a distribution shift of TV {shift.get('tv')} (exact acceptance has none)"
+    if problem:
+        raise PublishError(f"publish.reports: {path}: {problem}; the report was edited or is corrupt: run "
+                           "eagle-eval again")
 
 
 def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
@@ -68,41 +93,118 @@ def _dtype_text(settings: dict[str, Any]) -> str:
     return f"{dtype} (head {head}{', ' + weights.replace('_', ' ') if weights.startswith('int8') else ''})"
 
 
-def _tree_text(tree: Any) -> str:
-    if isinstance(tree, dict):
-        return ", ".join(f"{k}={v}" for k, v in tree.items())
-    return str(tree) if tree is not None else "n/a"
+def _value_text(x: Any) -> str:
+    """A setting's value as card text: floats as in the figures, lists and tuples as [a, b, ...]."""
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_value_text(v) for v in x) + "]"
+    return _fmt(x)
 
 
-def report_row(report: dict[str, Any]) -> dict[str, str]:
-    """The model-card figures of one report."""
+def machine_of(report: dict[str, Any]) -> str:
+    """The machine a report's timings were measured on, as a card heading: the accelerator or CPU model, the
+    CPU flags where the report records them (hardware.cpu_flags), cores, torch threads, a non-CPU device."""
+    hw = (report.get("settings") or {}).get("hardware")
+    if isinstance(hw, str) or not hw:  # a hand-written string, or a report that recorded none
+        return hw or "machine not recorded"
+    accelerator, cpu = hw.get("accelerator"), hw.get("cpu")
+    flags = hw.get("cpu_flags")
+    parts = [accelerator, f"host {cpu}" if accelerator and cpu else cpu,
+             " ".join(flags) if isinstance(flags, (list, tuple)) and flags else None,
+             f"{hw['cpu_count']} cores" if hw.get("cpu_count") else None,
+             f"{hw['torch_threads']} torch threads" if hw.get("torch_threads") else None,
+             f"device {hw['device']}" if hw.get("device") not in (None, "cpu") else None]
+    return ", ".join(str(p) for p in parts if p) or "machine not recorded"
+
+
+def decoder_settings(report: dict[str, Any]) -> dict[str, str]:
+    """What a report's figures depend on besides the machine and the prompts, name -> text, in card order.
+    A card prints the settings every row of a machine shares once above its table, the others in the rows."""
     s = report.get("settings") or {}
-    hw = s.get("hardware") or {}
-    hardware = hw if isinstance(hw, str) else ", ".join(
-        str(v) for v in (hw.get("accelerator") or hw.get("cpu"), f"device {hw.get('device')}" if hw.get("device")
-                         else None, f"{hw.get('torch_threads')} threads" if hw.get("torch_threads") else None) if v)
-    return {
-        "benchmark": str(s.get("prompts", "n/a")),
-        "prompts": _fmt(report.get("num_prompts")),
-        "temperature": _fmt(s.get("temperature")),
-        "dtype": _dtype_text(s),  # the target's (every method alike), and the head's where it differs
-        "tree": _tree_text(s.get("tree")),
-        "tau": _fmt(report.get("tau")),
-        "speedup": _fmt(report.get("speedup"), suffix="x"),
-        "speedup_ar": _fmt(report.get("speedup_vs_autoregressive"), suffix="x"),
-        "speedup_pl": _fmt(report.get("speedup_vs_prompt_lookup"), suffix="x"),
-        "tokens_per_s": _fmt(report.get("tokens_per_s"), digits=1),
-        "baseline_tokens_per_s": _fmt(report.get("baseline_tokens_per_s"), digits=1),
-        "accept_by_depth": " / ".join(f"{x:.2f}" for x in report.get("accept_rate_by_depth") or []) or "n/a",
-        "lossless": _lossless_text(report),
-        "hardware": hardware or "n/a",
+    hw = s.get("hardware") if isinstance(s.get("hardware"), dict) else {}
+    out = {
+        "acceptance": acceptance_label(report.get("acceptance_settings") or report.get("acceptance"))
+        or "exact (lossless)",
+        "dtype": _dtype_text(s) if s.get("dtype") else "n/a",  # the target's (every method alike), and the head's
+        "cpu_gemm": _fmt(s.get("cpu_gemm")),
+        **{k: _fmt(s.get(k)) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "turns")},
     }
+    tree = s.get("tree")
+    # One setting per tree key, so that rows differing only in e.g. draft_choice share the rest of the tree.
+    out.update({str(k): _value_text(v) for k, v in tree.items()} if isinstance(tree, dict) else {"tree": _fmt(tree)})
+    out["prompt_lookup_num_tokens"] = _fmt(s.get("prompt_lookup_num_tokens"))  # the HF prompt-lookup baseline's
+    out["torch"], out["transformers"] = _fmt(hw.get("torch_version")), _fmt(hw.get("transformers_version"))
+    return out
+
+
+def _tokens_per_s_text(report: dict[str, Any]) -> str:
+    spec, base = report.get("tokens_per_s"), report.get("baseline_tokens_per_s")
+    return "n/a" if spec is None and base is None else f"{_fmt(spec, digits=1)} ({_fmt(base, digits=1)})"
+
+
+# The figures of a row: (header, right-aligned, cell). A column that is n/a in every row of a table is
+# left out of it; tau, speedup and the greedy output are always shown.
+FIGURES: list[tuple[str, bool, Any]] = [
+    ("tau", True, lambda r: _fmt(r.get("tau"))),
+    ("acceptance by depth", False,
+     lambda r: " / ".join(f"{x:.2f}" for x in r.get("accept_rate_by_depth") or []) or "n/a"),
+    ("tok/s (HF generate)", True, _tokens_per_s_text),
+    ("speedup vs HF generate", True, lambda r: _fmt(r.get("speedup"), suffix="x")),
+    ("vs prompt lookup", True, lambda r: _fmt(r.get("speedup_vs_prompt_lookup"), suffix="x")),
+    ("vs autoregressive", True, lambda r: _fmt(r.get("speedup_vs_autoregressive"), suffix="x")),
+    ("tokens from grafted lookup nodes", True,
+     lambda r: "n/a" if r.get("lookup_accepted_share") is None else f"{r['lookup_accepted_share']:.0%}"),
+    ("greedy output", False, lambda r: _lossless_text(r)),
+]
+ALWAYS_SHOWN = {"tau", "speedup vs HF generate", "greedy output"}
+
+
+def figures_tables(reports: list[dict[str, Any]], sources: list[str] | None = None) -> list[str]:
+    """Card lines: one `### <machine>` subsection per machine (in the order the reports were given), a line of
+    the settings every row there shares, then a table whose rows carry the prompts, the settings that differ
+    between them and the figures. `sources`: each report's file name, for a last column."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(reports):
+        groups.setdefault(machine_of(r), []).append(i)
+    lines: list[str] = []
+    for machine, idx in groups.items():
+        settings = [decoder_settings(reports[i]) for i in idx]
+        names = list(dict.fromkeys(k for s in settings for k in s))
+        shared = [k for k in names if len({s.get(k, "n/a") for s in settings}) == 1]
+        differing = [k for k in names if k not in shared]
+        line = ", ".join(f"{k}={settings[0][k]}" for k in shared if settings[0][k] != "n/a")
+        figures = [(h, right, [cell(reports[i]) for i in idx]) for h, right, cell in FIGURES]
+        figures = [f for f in figures if f[0] in ALWAYS_SHOWN or any(c != "n/a" for c in f[2])]
+        header = ["benchmark", "prompts", *differing, *(h for h, _, _ in figures)]
+        align = ["---", "---:", *("---" for _ in differing), *("---:" if right else "---" for _, right, _ in figures)]
+        if sources:
+            header.append("report")
+            align.append("---")
+        lines += ["", f"### {machine}", "", f"Settings of every row below: {line or 'none recorded'}.", "",
+                  "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+        for n, i in enumerate(idx):
+            r, s = reports[i], settings[n]
+            label = acceptance_label(r.get("acceptance_settings") or r.get("acceptance"))
+            # An approximate rule's figures are never shown without its label: the row's first cell carries it.
+            cells = [str((r.get("settings") or {}).get("prompts", "n/a")) + (f" **[{label}]**" if label else ""),
+                     _fmt(r.get("num_prompts")), *(s.get(k, "n/a") for k in differing),
+                     *(column[n] for _, _, column in figures)]
+            if sources:
+                cells.append(f"`{sources[i]}`")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _lossless_text(report: dict[str, Any]) -> str:
     """What the report says about losslessness: greedy equality with HF generate, and for the turns
-    that differ whether every divergence is numeric (a near-tie of the target's own logits)."""
+    that differ whether every divergence is numeric (a near-tie of the target's own logits). An
+    approximate rule: NOT lossless, its measured shift, and the greedy match as a plain figure."""
     match = report.get("greedy_match")
+    if report.get("acceptance", "exact") != "exact":
+        shift = report.get("distribution_shift") or {}
+        kl = "inf" if shift.get("kl") is None else _fmt(shift.get("kl"), digits=4)
+        text = (f"NOT lossless ({report['acceptance']} acceptance): emitted law vs the target's TV "
+                f"{_fmt(shift.get('tv'), digits=4)}, KL {kl}")
+        return text + (f"; greedy equal to HF generate on {match:.0%} of turns" if match is not None else "")
     if match is None:
         return "sampled (no greedy comparison)"
     d = report.get("divergence") or {}
@@ -121,8 +223,6 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     """A resolved stage config as a dict (None if absent or unreadable: it must not block publishing)."""
     if not path.is_file():
         return None
-    from omegaconf import OmegaConf
-
     try:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # type: ignore[return-value]
     except Exception as e:
@@ -223,8 +323,9 @@ def training_provenance(train_dir: Path | None) -> dict[str, Any]:
 
 def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports: list[dict[str, Any]],
                provenance: dict[str, Any], repo_id: str | None, notes: str | None = None,
-               speculative_tokens: int = 4) -> str:
-    """README.md: YAML metadata + usage + measured figures + how it was made."""
+               speculative_tokens: int = 4, sources: list[str] | None = None) -> str:
+    """README.md: YAML metadata + usage + measured figures (grouped by machine; `sources` names each report's
+    file in its row) + how it was made."""
     c = head.config
     algo_tag = c.algorithm
     data_source = provenance.get("data_source")
@@ -280,20 +381,18 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
               f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
     if reports:
         lines += ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
-                  "Hugging Face `generate` (and plain autoregressive decoding with the same code).", "",
-                  "Acceptance by depth: the share of steps that reach depth d whose token at depth d is accepted. "
+                  "HF transformers generate (PyTorch eager) on the same machine (and plain autoregressive decoding "
+                  "with the same code); not against a serving engine.", ""]
+        if any(r.get("acceptance", "exact") != "exact" for r in reports):
+            lines += ["**Rows marked APPROXIMATE were decoded with an approximate acceptance rule (`decode.acceptance`): "
+                      "their output does not follow the target's distribution, so their tau and speedup are not "
+                      "lossless figures. Each such row gives the measured shift of the emitted law (TV, KL).**", ""]
+        lines += ["Acceptance by depth: the share of steps that reach depth d whose token at depth d is accepted. "
                   "Greedy runs compare every output with HF `generate` in the same dtype; a divergence is numeric "
                   "when the target's top-1 / top-2 logit margin there (recomputed in float32) is below the report's "
-                  "limit.", "",
-                  "| benchmark | prompts | temperature | dtype | tau | acceptance by depth | tok/s (HF generate) | "
-                  "speedup vs HF generate | vs prompt lookup | vs autoregressive | greedy output | tree | hardware |",
-                  "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---|---|---|"]
-        for r in reports:
-            row = report_row(r)
-            lines.append(f"| {row['benchmark']} | {row['prompts']} | {row['temperature']} | {row['dtype']} | {row['tau']} | "
-                         f"{row['accept_by_depth']} | {row['tokens_per_s']} ({row['baseline_tokens_per_s']}) | "
-                         f"{row['speedup']} | {row['speedup_pl']} | {row['speedup_ar']} | {row['lossless']} | "
-                         f"{row['tree']} | {row['hardware']} |")
+                  "limit. One table per machine (the report's hardware); the line above a table gives the settings "
+                  "every row of it shares, the rows the settings that differ between them."]
+        lines += figures_tables(reports, sources)
     else:
         lines.append("No evaluation reports were attached (publish.reports); run `eagle-eval` and republish.")
     lines += ["", "## Training", ""]
@@ -373,16 +472,16 @@ def run_publish(cfg: Any) -> Path:
                         speculative_tokens=chain, verifier=cfg.export.verifier,
                         verifier_default="hub", local_paths=False,
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
+    # A row names its report by the file or folder name given, never by this machine's path.
+    sources = [Path(str(r)).name for r in p.reports]
     card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes,
-                      speculative_tokens=chain)
+                      speculative_tokens=chain, sources=sources)
     tmp = hub / "README.md.tmp"
     tmp.write_text(card)
     tmp.replace(hub / "README.md")
     if p.dry_run:
         print(f"eagle-publish: dry run, Hub folder written to {hub} (nothing uploaded)")
         return hub
-    from huggingface_hub import HfApi
-
     api = HfApi()  # token: HF_TOKEN or the stored login, resolved inside huggingface_hub
     try:
         api.create_repo(repo_id=p.repo_id, private=p.private, exist_ok=True, repo_type="model")

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from eagle.errors import ExportError
 from eagle.export.formats import (
@@ -68,9 +70,6 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a folder: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     files: list[Path]
     index = folder / "model.safetensors.index.json"
     if (folder / WEIGHTS_FILE).is_file():

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
@@ -175,8 +175,6 @@ def read_head_config(folder: Path) -> HeadConfig:
 
 def read_head_extra(folder: Path) -> dict[str, Any]:
     """The `extra` dict given to `save_head` ({} if none)."""
-    from safetensors import safe_open
-
     path = Path(folder) / WEIGHTS_NAME
     try:
         with safe_open(str(path), framework="pt") as f:

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaConfig
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eagle.heads.base import HeadConfig
 
@@ -85,8 +87,6 @@ class RMSNorm(nn.Module):
 
 def _rope_config(cfg: HeadConfig) -> Any:
     """A transformers config carrying just what the RoPE init functions read."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -105,8 +105,6 @@ def rope_inv_freq(cfg: HeadConfig) -> tuple[torch.Tensor, float]:
     Scaled variants (llama3, yarn, linear, ...) come from transformers' own init functions so the
     head rotates exactly like the target it drafts for.
     """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     rope_type = cfg.rope_parameters.get("rope_type", "default")
     if rope_type == "default":
         theta = float(cfg.rope_parameters.get("rope_theta", 10000.0))

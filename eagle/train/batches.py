@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from eagle.capture.features import idle_forward
+from eagle.capture.features import extract_features, idle_forward
 from eagle.capture.reader import CaptureDataset, ShardShuffleSampler, collate
 from eagle.capture.store import member_path
 from eagle.config import ConfigError
@@ -89,8 +90,6 @@ class OfflineSplit:
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """Loss-mask token counts [V] of this split, read from the shards' ids (no features)."""
-        from safetensors import safe_open
-
         counts = torch.zeros(vocab_size, dtype=torch.long)
         for entry in self.dataset.entries:
             path = member_path(self.data_dir, entry["file"])
@@ -138,8 +137,6 @@ class OnlineSplit:
         }
 
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        from eagle.capture.features import extract_features
-
         batch = _to_device(batch, device)
         feats = extract_features(self.target, batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids)
         # Inference tensors cannot be saved for backward; a clone outside inference mode can.

@@ -43,6 +43,7 @@ from eagle.artifacts import (
 from eagle.artifacts import checkpoint_step as _step_of
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_dir, atomic_write_text, publish_dir
+from eagle.heads.io import save_head
 
 FORMAT_VERSION = 1
 
@@ -128,8 +129,6 @@ def save_checkpoint(
     `run_config` (`eagle.train.resume.run_record`) is stored as `run_config.json`: what a resume
     compares its own settings with.
     """
-    from eagle.heads.io import save_head
-
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(state.step)
     tmp = root / f".tmp-{checkpoint_name(state.step)}"
@@ -238,8 +237,6 @@ def load_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
 
 def save_best(output_dir: str | Path, head: torch.nn.Module, extra: dict[str, Any]) -> Path:
     """Replace `<output_dir>/best/` with `head` (rank 0 only); a crash leaves the old or the new one."""
-    from eagle.heads.io import save_head
-
     best = Path(output_dir) / BEST
     with atomic_dir(best) as tmp:
         save_head(head, tmp, extra=extra)

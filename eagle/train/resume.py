@@ -33,8 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle.config import RootConfig
-from eagle.errors import CheckpointError
+from eagle.errors import CheckpointError, TargetError
+from eagle.precision import resolve_dtype, resolve_mixed_precision
 from eagle.train.checkpoint import RUN_CONFIG, read_state
 
 # Keys that may change between a checkpoint and its resumption: what is logged, evaluated or kept.
@@ -94,13 +97,9 @@ def _effective_dtype(cfg: RootConfig) -> str:
     if name != "auto":
         return name
     try:
-        import torch
-
-        from eagle.precision import resolve_dtype
-
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         return str(resolve_dtype(name, device, stage="train")).removeprefix("torch.")
-    except Exception:  # no resolver (older eagle) or a device it refuses: compare the name itself
+    except Exception:  # a device the resolver refuses: compare the name itself
         return name
 
 
@@ -109,11 +108,6 @@ def _effective_mixed_precision(cfg: RootConfig) -> str:
     name = cfg.train.mixed_precision
     if name != "auto":
         return name
-    import torch
-
-    from eagle.errors import TargetError
-    from eagle.precision import resolve_mixed_precision
-
     try:
         return resolve_mixed_precision(name, cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except TargetError:  # recorded as asked; training itself reports why it cannot run

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
 
 from eagle.config import ConfigError, RootConfig
@@ -30,10 +33,6 @@ def make_accelerator(cfg: RootConfig) -> Any:
     Gradient accumulation is the trainer's own (micro-batches under `no_sync`, one optimizer step),
     so accelerate is told 1 and never rescales the loss.
     """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
-
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
         torch.distributed.is_available() and torch.distributed.is_initialized()
     )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from eagle.config import TrainConfig
+from eagle.config import ConfigError, TrainConfig
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float,
@@ -67,7 +67,5 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.0, weight_decay=cfg.weight_decay)
     if len(cfg.betas) != 2:
-        from eagle.config import ConfigError
-
         raise ConfigError(f"train.betas={cfg.betas} must be two numbers [beta1, beta2]")
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay)

