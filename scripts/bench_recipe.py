@@ -78,26 +78,19 @@ def run_variant(name: str, base: list[str], work: Path, minutes: float, steps: i
     extra = VARIANTS[name]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if steps is not None:  # accounting "steps": the lr schedule runs over the steps, no wall-clock cap
-        t0 = time.perf_counter()
-        result = _train(base + extra + [f"output_dir={work / f'{name}-seed{seed}-{stamp}'}", f"train.max_steps={steps}",
-                                        f"train.seed={seed}", "train.eval_every=1000000", "train.save_every=50",
-                                        "train.resume=false"])
-        m = result.eval_metrics
-        return {"variant": name, "seed": seed, "overrides": extra, "steps": result.step, "stopped": result.stopped,
-                "wall_s": time.perf_counter() - t0, "tokens_per_s": result.train_metrics.get("tokens_per_s"),
-                "timings": result.timings, "heldout": m, "best_tau_sim": result.best_metric,
-                "best_step": result.best_step, "output_dir": str(result.output_dir)}
-    # The lr decays over the budget's wall time (train.schedule_over=minutes), so every variant ends its
-    # schedule when its minutes end, whatever its step time; max_steps only caps. The budget includes
-    # setup and the untrained held-out evaluation; the final evaluation runs after it.
+        budget = [f"output_dir={work / f'{name}-seed{seed}-{stamp}'}", f"train.max_steps={steps}", f"train.seed={seed}"]
+    else:
+        # The lr decays over the budget's wall time (train.schedule_over=minutes), so every variant ends its
+        # schedule when its minutes end, whatever its step time; max_steps only caps. The budget includes
+        # setup and the untrained held-out evaluation; the final evaluation runs after it.
+        budget = [f"output_dir={work / f'{name}-{stamp}'}", "train.max_steps=1000000", f"train.max_minutes={minutes}",
+                  "train.schedule_over=minutes"]
     t0 = time.perf_counter()
-    result = _train(base + extra + [f"output_dir={work / f'{name}-{stamp}'}", "train.max_steps=1000000",
-                                    f"train.max_minutes={minutes}", "train.schedule_over=minutes",
-                                    "train.eval_every=1000000", "train.save_every=50", "train.resume=false"])
-    m = result.eval_metrics
-    return {"variant": name, "overrides": extra, "steps": result.step, "stopped": result.stopped,
+    result = _train(base + extra + budget + ["train.eval_every=1000000", "train.save_every=50", "train.resume=false"])
+    return {"variant": name, "seed": seed, "overrides": extra, "steps": result.step, "stopped": result.stopped,
             "wall_s": time.perf_counter() - t0, "tokens_per_s": result.train_metrics.get("tokens_per_s"),
-            "timings": result.timings, "heldout": m, "best_tau_sim": result.best_metric, "best_step": result.best_step}
+            "timings": result.timings, "heldout": result.eval_metrics, "best_tau_sim": result.best_metric,
+            "best_step": result.best_step, "output_dir": str(result.output_dir)}
 
 
 def _settings_sha256(base: list[str]) -> str:

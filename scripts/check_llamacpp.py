@@ -64,17 +64,18 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 # --- run -------------------------------------------------------------------------------
+LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the servers are local: never a proxy
+
+
 def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
-    with opener.open(req, timeout=timeout) as r:
+    with LOOPBACK.open(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def _metrics(url: str) -> dict[str, float]:
     """llama-server's Prometheus counters: name (with labels) -> value."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{url}/metrics", timeout=30) as r:
+    with LOOPBACK.open(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
@@ -86,15 +87,15 @@ def _metrics(url: str) -> dict[str, float]:
 
 def run_one(args: argparse.Namespace, prep: dict, n: int, label: str) -> dict:
     """One llama-server (with the head drafting n tokens a step, or without it for n = 0) over every prompt."""
-    cmd = [args.server, "-m", prep["gguf"], "--host", "127.0.0.1", "-t", str(args.threads), "-tb", str(args.threads),
-           "--parallel", "1", "-c", str(args.ctx), "--metrics", "--no-webui"]
+    port = free_port()
+    cmd = [args.server, "-m", prep["gguf"], "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+           "-tb", str(args.threads), "--parallel", "1", "-c", str(args.ctx), "--metrics", "--no-webui"]
     if n:
         # --spec-draft-p-min 0 (b11434's default, spelt out): draft all n tokens every step, as vLLM's k does.
         cmd += ["--spec-draft-model", args.head_gguf, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-    port = free_port()
-    server = Server(f"llama-server ({label})", cmd[:1] + ["--port", str(port)] + cmd[1:],
-                    dict(os.environ, OMP_NUM_THREADS=str(args.threads)), Path(args.work) / f"{label}.log", port)
+    server = Server(f"llama-server ({label})", cmd, dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
+                    Path(args.work) / f"{label}.log", port)
     server.log.unlink(missing_ok=True)
     try:
         startup = server.start(args.startup_timeout)

@@ -52,7 +52,7 @@ from eagle.capture.store import (
 )
 from eagle.capture.vllm_engine import VllmEngine, target_without_weights
 from eagle.config import CaptureConfig, ConfigError, RootConfig
-from eagle.data.dataset import build_splits, data_fingerprint
+from eagle.data.dataset import DataSplits, build_splits, data_fingerprint
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
 from eagle.precision import DTYPES, resolve_dtype
@@ -490,19 +490,7 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
     # Rank 0 first: whatever the data stage caches is built once, then read by the others.
     with state.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=state.is_main_process)
-    identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
-    return capture_splits(
-        model,
-        info,
-        {"train": splits.train, "heldout": splits.heldout},
-        cfg.output_dir,
-        cfg.capture,
-        cfg.draft.algorithm,
-        cfg.draft.aux_layer_ids,
-        identity,
-        device=device,
-        state=state,
-    )
+    return _capture_data_splits(cfg, model, info, splits, device=device, state=state)
 
 
 def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
@@ -521,18 +509,15 @@ def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
     dtype = resolve_dtype("auto", here, "capture") if cfg.target.dtype == "auto" else DTYPES[cfg.target.dtype]
     tokenizer, info = target_without_weights(cfg.target, dtype)
     splits = build_splits(cfg.data, tokenizer)
-    identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
     with engine:
         engine.bind(cfg.target, info, max(len(c.input_ids) for c in (*splits.train, *splits.heldout)))
-        return capture_splits(
-            None,
-            info,
-            {"train": splits.train, "heldout": splits.heldout},
-            cfg.output_dir,
-            cfg.capture,
-            cfg.draft.algorithm,
-            cfg.draft.aux_layer_ids,
-            identity,
-            forward=engine.forward,
-            engine=engine.describe(),
-        )
+        return _capture_data_splits(cfg, None, info, splits, forward=engine.forward, engine=engine.describe())
+
+
+def _capture_data_splits(cfg: RootConfig, model: Any, info: TargetInfo, splits: DataSplits,
+                         **kwargs: Any) -> dict[str, Any]:
+    """`capture_splits` of the data stage's train and held-out splits, identified by the data's fingerprint and
+    config (what a resumed capture must match), with the backend's own keywords (device/state, forward/engine)."""
+    identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
+    return capture_splits(model, info, {"train": splits.train, "heldout": splits.heldout}, cfg.output_dir, cfg.capture,
+                          cfg.draft.algorithm, cfg.draft.aux_layer_ids, identity, **kwargs)

@@ -43,21 +43,22 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def hardware_info(device: torch.device | str) -> dict[str, Any]:
     """What the timings were measured on: CPU model and its kernel-relevant flags, torch threads, library
     versions, accelerator."""
-    cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
+    model: str | None = None
+    present: set[str] | None = None
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    except OSError:  # not Linux: the platform's name, no flags
         lines = []
-    for line in lines:
-        key = line.split(":", 1)[0].strip().lower()
-        if key == "model name" and cpu in (platform.processor(), platform.machine()):
-            cpu = line.split(":", 1)[1].strip()
-        elif key == "flags" and not flags:
-            present = set(line.split(":", 1)[1].split())
-            flags = [f for f in CPU_FLAGS if f in present]
+    for line in lines:  # the first core's entries (every core lists the same)
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and present is None:
+            present = set(value.split())
+    flags = [f for f in CPU_FLAGS if f in (present or set())]
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": model or platform.processor() or platform.machine(),
         "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
