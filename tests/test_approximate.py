@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from eagle.cli.app import compose
@@ -58,7 +58,8 @@ def test_exact_rule_emits_the_target_law():
         ok = accepted_tokens(AcceptanceRule("exact"), logits, p, temperature)
         assert not ok.any()
         q = emitted_law(p, children, ok)
-        torch.testing.assert_close(q, p.double(), atol=1e-12, rtol=0)
+        law = p.double() / p.double().sum(-1, keepdim=True)  # what a draw samples (float32 p sums to 1 +- 1e-7)
+        torch.testing.assert_close(q, law, atol=1e-12, rtol=0)
         tv, kl = shift(p, q)
         assert tv.abs().max() < 1e-12 and kl.abs().max() < 1e-12
 
@@ -66,6 +67,8 @@ def test_exact_rule_emits_the_target_law():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from(RULES), st.sampled_from([0.0, 0.6, 1.0, 1.5]),
        st.sampled_from([(0, 1.0), (5, 1.0), (0, 0.8)]))
+# Found by Hypothesis: this float32 softmax sums to 1 - 2.4e-7, and the law must still sum to 1 in float64.
+@example(seed=1351, rule=AcceptanceRule("exact"), temperature=0.6, truncation=(0, 1.0))
 def test_vectorised_rule_and_law_match_the_references(seed, rule, temperature, truncation):
     top_k, top_p = truncation
     logits, p, children = _case(seed, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -88,7 +91,7 @@ def test_vectorised_rule_and_law_match_the_references(seed, rule, temperature, t
         # (float32 p sums to 1 within ~1e-7: the closed form's 1 - p(C) and the law's p(not C) differ by that)
         assert tv == pytest.approx(float(full_tv), abs=1e-6)
         assert kl == pytest.approx(float(full_kl), abs=1e-6) or (kl == float("inf") == float(full_kl))
-    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0], dtype=torch.float64))
+    torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[0], dtype=torch.float64), atol=1e-12, rtol=0)
 
 
 def test_typical_threshold_by_hand():

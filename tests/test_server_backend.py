@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from dataclasses import replace
 
@@ -171,6 +172,26 @@ def test_every_server_gone_stops_with_their_errors_then_the_same_call_resumes(to
     _run(tok, [a, b], out, convs)
     ids = [r["id"] for r in _records(out)]
     assert sorted(ids) == sorted(c.id for c in convs)
+
+
+def test_an_answer_that_arrives_with_the_last_servers_failure_is_written(tok, serve, tmp_path, monkeypatch):
+    """The last server answers one conversation's only turn and fails another's in the same wait; the failure is
+    taken first (the order `wait` hands them back in is arbitrary). The answered conversation is complete, so
+    its record is written before the run stops: no server is needed to learn that nothing is left to ask."""
+    def wait_failures_first(futures, return_when):
+        done, _ = concurrent.futures.wait(futures)  # both answers in hand
+        return sorted(done, key=lambda f: f.exception() is None), set()
+
+    monkeypatch.setattr("eagle.data.server.wait", wait_failures_first)
+    a = serve()
+    a.fault, a.fail_after = 503, 1
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(ServerError, match="every server stopped answering"):
+        _run(tok, [a], out, _conversations(2), requests_per_server=2)
+    assert len(_records(out)) == a.answered == 1
+    a.fault = None
+    _run(tok, [a], out, _conversations(2))
+    assert sorted(r["id"] for r in _records(out)) == ["c0", "c1"]
 
 
 @pytest.mark.parametrize("status", [400, 500])

@@ -210,56 +210,68 @@ class ServerBackend:
             rate = written / max(time.perf_counter() - started, 1e-9) * 60
             bar.set_postfix_str(f"{rate:.1f} conv/min, {alive}/{len(self.servers)} servers", refresh=False)
 
-        queue = deque(ConversationJob(c, tokenizer, cfg, on_done) for c in todo)
-        inflight: dict[Future, tuple[ConversationJob, _Server]] = {}
+        # Two queues: `ready` holds turns whose prompt is rendered (a retried turn, a conversation's next
+        # turn), `fresh` the conversations not started. A turn's answer is followed at once by the job's
+        # next prompt on this thread, so a finished conversation is written the moment its last answer
+        # arrives, even when no server is left to take another turn.
+        fresh = deque(ConversationJob(c, tokenizer, cfg, on_done) for c in todo)
+        ready: deque[tuple[ConversationJob, list[int]]] = deque()
+        inflight: dict[Future, tuple[ConversationJob, list[int], _Server]] = {}
         for s in self.servers:
             s.pool, s.busy = ThreadPoolExecutor(cfg.requests_per_server, thread_name_prefix="eagle-server"), 0
         try:
             while True:
-                self._fill(queue, inflight, tokenizer, cfg, stop_ids, stop_strings)
+                self._fill(ready, fresh, inflight, tokenizer, cfg, stop_ids, stop_strings)
                 if not inflight:
-                    if queue:  # turns left and no server to send them to
+                    if ready or fresh:  # turns left and no server to send them to
                         raise self._all_gone()
                     return
                 finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
                 for future in finished:
                     if future not in inflight:  # its server was dropped and its turn handed on meanwhile
                         continue
-                    job, server = inflight.pop(future)
+                    job, ids, server = inflight.pop(future)
                     server.busy -= 1
                     try:
                         answer = future.result()
                     except ServerGone as e:
-                        queue.appendleft(job)
-                        self._drop(server, str(e), queue, inflight)
+                        ready.appendleft((job, ids))
+                        self._drop(server, str(e), ready, inflight)
                         continue
                     except ServerError as e:
                         raise ServerError(f"{e} (conversation {job.id!r}, assistant turn {job.answered + 1})") from e
                     self._finish(job, answer, set(stop_ids))
-                    queue.appendleft(job)  # its next turn first: conversations finish (and are written) early
+                    following = job.next_prompt()  # None: the conversation is done and its record written
+                    if following is not None:
+                        ready.appendleft((job, following))  # its next turn first: conversations finish early
         finally:
             for s in self.servers:
                 if s.pool is not None:
                     s.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _fill(self, queue: deque, inflight: dict, tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
-              stop_strings: list[str]) -> None:
-        """Send the next turns to the least busy servers with a free slot."""
-        while queue:
+    def _fill(self, ready: deque, fresh: deque, inflight: dict, tokenizer: Any, cfg: RegenerateConfig,
+              stop_ids: list[int], stop_strings: list[str]) -> None:
+        """Send the next turns to the least busy servers with a free slot: rendered turns first, then
+        conversations not started."""
+        while ready or fresh:
             free = [s for s in self.servers if s.gone is None and s.busy < cfg.requests_per_server]
             if not free:
                 return
+            if ready:
+                job, ids = ready.popleft()
+            else:
+                job = fresh.popleft()
+                first = job.next_prompt()  # None: nothing to answer; its record is written
+                if first is None:
+                    continue
+                ids = first
             server = min(free, key=lambda s: s.busy)
-            job = queue.popleft()
-            ids = job.next_prompt()  # None: the conversation is done and its record written
-            if ids is None:
-                continue
             text = job.prompt_text if server.engine.takes_ids else text_prompt(tokenizer, job.prompt_text, ids)
             req = Completion(prompt_ids=ids, prompt_text=text, stop_ids=stop_ids, stop_strings=stop_strings,
                              max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                              top_k=cfg.top_k, seed=request_seed(cfg.seed, job.id, job.answered))
             future = server.pool.submit(self._ask, server, server.engine.body(self.model, req), cfg.request_timeout)
-            inflight[future] = (job, server)
+            inflight[future] = (job, ids, server)
             server.busy += 1
 
     @staticmethod
@@ -287,17 +299,17 @@ class ServerBackend:
             tqdm.write(f"eagle-regenerate: warning: a server's answer text differs from the decoding of its token ids "
                        f"(conversation {job.id!r}); is target.path the served model's tokenizer?", file=sys.stderr)
 
-    def _drop(self, server: _Server, reason: str, queue: deque, inflight: dict) -> None:
+    def _drop(self, server: _Server, reason: str, ready: deque, inflight: dict) -> None:
         """Take `server` out of the run; its turns still in flight go back to the front of the queue (those
         it has answered already stay: the loop takes their answers)."""
         if server.gone is not None:
             return
         server.gone = reason
-        for future, (job, owner) in list(inflight.items()):
+        for future, (job, ids, owner) in list(inflight.items()):
             if owner is server and not future.done():
                 del inflight[future]
                 server.busy -= 1
-                queue.appendleft(job)
+                ready.appendleft((job, ids))
         server.pool.shutdown(wait=False, cancel_futures=True)
         alive = [s.url for s in self.servers if s.gone is None]
         if alive:

@@ -150,9 +150,12 @@ def emitted_law(p: torch.Tensor, children: torch.Tensor, accepted: torch.Tensor)
 
     p: [N, V] the target's processed law; children: [N, K] drafted child tokens in the order the walk
     tries them (distinct per row, -1 padded); accepted: [N, V] bool from `accepted_tokens`. Returns q [N, V]
-    (q == p for exact, where `accepted` is all False).
+    (q == p for exact, where `accepted` is all False), normalised in float64.
     """
+    # p comes from a float32 softmax and sums to 1 only within ~V * 2^-24; a draw (`sample_index`)
+    # inverts the CDF scaled by its total, so the law it samples is p over its sum, taken here in float64.
     q = p.double()
+    q = q / q.sum(-1, keepdim=True)
     valid = children >= 0  # [N, K]
     safe = children.clamp(min=0)
     passing = accepted.gather(1, safe) & valid  # [N, K]
@@ -174,10 +177,11 @@ def emitted_law_reference(p: list[float], children: list[int], accepted: list[bo
     """Enumerate the target's draw y at one node: y on a child is emitted; a miss emits the first passing
     child, or y itself when none passes."""
     passing = [c for c in children if accepted[c]]
+    total = math.fsum(p)  # a draw samples p over its total (`sample_index`)
     q = [0.0] * len(p)
     for y, py in enumerate(p):
         emitted = y if y in children or not passing else passing[0]
-        q[emitted] += py
+        q[emitted] += py / total
     return q
 
 
@@ -185,6 +189,7 @@ def shift(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """[N, V] target law and emitted law -> ([N] total variation, [N] KL(q || p)); KL is inf where q puts
     mass on a token p gives 0."""
     p, q = p.double(), q.double()
+    p = p / p.sum(-1, keepdim=True)  # the law a draw samples (see `emitted_law`)
     tv = 0.5 * (p - q).abs().sum(-1)
     ratio = torch.where(q > 0, q / p, torch.ones_like(q))  # 0 log 0 = 0; q > 0 = p -> inf
     kl = (q * torch.log(ratio)).sum(-1)
