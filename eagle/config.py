@@ -132,7 +132,11 @@ class CaptureConfig:
 
 # The registered draft algorithms (`eagle.algorithms.ALGORITHMS`, one module each); listed here so that a
 # config is validated without importing torch. tests/test_algorithms.py keeps the two in step.
-DRAFT_ALGORITHMS = ("eagle1", "eagle3")
+DRAFT_ALGORITHMS = ("eagle1", "eagle3", "dflash")
+
+# train.loss and train.position_weights (eagle/algorithms/objectives.py keeps the implementations).
+LOSSES = ("ce", "lk_tv", "lk_nla", "lk_hybrid")
+POSITION_WEIGHTS = ("auto", "uniform", "decay", "dpace")
 
 # decode.acceptance: how a verified draft tree is accepted (eagle/decode/accept.py, eagle/decode/approximate.py).
 # exact is the only lossless rule; the others trade the target's law for longer accepted runs.
@@ -156,6 +160,13 @@ class DraftConfig:
     # norm_output = the normed output is what the next unroll / draft step reads.
     fc_norm: bool = False
     norm_output: bool = False
+    # Block drafters (DFlash): tokens one draft pass fills (the anchor, the newest accepted token, plus
+    # block_size - 1 drafts), draft decoder layers, and the token id whose (frozen) embedding fills the
+    # block's draft positions. mask_token_id None: the target's pad token when it is not an end of
+    # turn, else the last vocabulary id (`eagle.heads.io.default_mask_token_id`).
+    block_size: int = 16
+    num_layers: int = 1
+    mask_token_id: int | None = None
 
 
 @dataclass
@@ -199,6 +210,18 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll length
+    # What each drafted position is trained against (eagle.algorithms.objectives): ce = soft
+    # cross-entropy against the target's law (KL); lk_tv / lk_nla / lk_hybrid = the LK losses
+    # (arXiv 2602.23881), which train for acceptance sum_x min(p, q)(x) itself.
+    loss: str = "ce"
+    lk_hybrid_weight: float = 0.5  # lk_hybrid: weight of the acceptance term (1 - that on the KL term)
+    # How the drafted positions of one pass are weighted (block drafters: position j of the block;
+    # EAGLE: unroll step j): auto = the algorithm's published rule (EAGLE-3: ttt_decay^j; DFlash:
+    # decay) | uniform | decay (exp(-(j - 1) / position_gamma), DFlash's) | dpace (D-PACE: each position
+    # by the chance the chain reaches it, from the head's own running acceptance).
+    position_weights: str = "auto"
+    position_gamma: float = 7.0  # decay: DFlash's gamma (7 for block size 16, 5 for 10, 4 for 8)
+    anchors_per_sequence: int = 64  # block drafters: anchors (blocks) trained per sequence in one pass
     ttt_decay: float = 0.8  # EAGLE-3 per-step loss decay
     feature_loss_weight: float = 1.0  # EAGLE-1 smooth-L1 weight
     token_loss_weight: float = 0.1  # EAGLE-1 cross-entropy weight
@@ -398,6 +421,11 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)
     if cfg.draft.aux_layer_ids is not None and len(cfg.draft.aux_layer_ids) != 3:
         raise ConfigError(f"draft.aux_layer_ids={cfg.draft.aux_layer_ids} must list 3 layers (low, mid, high)")
+    if cfg.draft.block_size < 2:
+        raise ConfigError(f"draft.block_size={cfg.draft.block_size} must be >= 2 (the anchor and at least one draft)")
+    _positive("draft.num_layers", cfg.draft.num_layers)
+    if cfg.draft.mask_token_id is not None and cfg.draft.mask_token_id < 0:
+        raise ConfigError(f"draft.mask_token_id={cfg.draft.mask_token_id} must be a token id >= 0 (or null)")
     t = cfg.train
     _choice("train.mode", t.mode, ("offline", "online"))
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
@@ -416,6 +444,12 @@ def validate(cfg: RootConfig) -> RootConfig:
     if t.schedule_over == "minutes" and t.max_minutes is None:
         raise ConfigError("train.schedule_over=minutes decays the lr over train.max_minutes: set train.max_minutes "
                           "(or schedule_over=steps)")
+    _choice("train.loss", t.loss, LOSSES)
+    _choice("train.position_weights", t.position_weights, POSITION_WEIGHTS)
+    if not 0.0 <= t.lk_hybrid_weight <= 1.0:
+        raise ConfigError(f"train.lk_hybrid_weight={t.lk_hybrid_weight} must be in [0, 1]")
+    _positive("train.position_gamma", t.position_gamma)
+    _positive("train.anchors_per_sequence", t.anchors_per_sequence)
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     if t.init_layer_from_target is not None and t.init_from:

@@ -8,11 +8,12 @@ subclass here, and a line in ALGORITHMS.
 from __future__ import annotations
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings
+from eagle.algorithms.dflash import DFlash
 from eagle.algorithms.eagle1 import Eagle1
 from eagle.algorithms.eagle3 import Eagle3
 from eagle.config import ConfigError
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (Eagle1(), Eagle3())}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (Eagle1(), Eagle3(), DFlash())}
 
 
 def get_algorithm(name: str) -> Algorithm:

@@ -60,6 +60,12 @@ class LossSettings:
     noise_std: float  # EAGLE-1 feature noise (training only)
     pad_id: int
     dense_ttt_mask: bool = False  # unroll through the dense mask (the definition; scripts/bench_ttt.py)
+    loss: str = "ce"  # train.loss (eagle.algorithms.objectives)
+    hybrid_weight: float = 0.5  # train.lk_hybrid_weight
+    position_weights: str = "decay"  # train.position_weights, `auto` resolved by the algorithm
+    position_gamma: float = 7.0
+    anchors: int = 0  # block drafters: anchors per sequence
+    block_size: int = 1  # block drafters: tokens a pass fills
 
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -152,6 +158,15 @@ class Algorithm(ABC):
     def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
         """[Vd, H] rows of the target's LM head that the soft labels need, or None for all of them."""
         return None
+
+    def plan_batch(self, batch: dict[str, Any], settings: LossSettings) -> dict[str, Any]:
+        """Choices a micro-batch's loss and its token counts share (DFlash's anchors), made once; none by default."""
+        return batch
+
+    def step_token_counts(self, batch: dict[str, Any], settings: LossSettings) -> list[float]:
+        """Loss tokens of a collated micro-batch per drafted position (unroll step), before the forward."""
+        a = aligned_inputs(batch, settings.pad_id)
+        return [float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], settings.steps)]
 
     @abstractmethod
     def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,

@@ -38,6 +38,7 @@ from eagle.decode.autotree import (
     time_verify_passes,
     verify_time,
 )
+from eagle.decode.block import block_log_probs, block_pool, sampled_chain
 from eagle.decode.cache import keep_cache_entries
 from eagle.decode.draft import (
     draft_pool,
@@ -119,6 +120,10 @@ class SpeculativeGenerator:
         self.eos = eos_ids(tokenizer, target)
         self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
         self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
+        self.block = head.drafts_block  # one pass drafts every depth (eagle.decode.block)
+        if self.block and self.static is not None:
+            raise EagleError(f"decode.tree=static fills a tree level by level from an autoregressive head; a "
+                             f"{head.config.algorithm} head drafts a block at once: use decode.tree=auto or dynamic")
         vd = head.config.draft_vocab_size
         widest = max(self.static.ranks) + 1 if self.static is not None else decode_cfg.tree_top_k
         if widest > vd:
@@ -183,8 +188,10 @@ class SpeculativeGenerator:
                                      c.top_p, generator=self.rng)
         return walk_tree(tree.tokens, tree.parents, logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
 
-    def _draft(self, head_cache, root: int, root_hidden: torch.Tensor, root_pos: int):
+    def _draft(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int):
         c = self.cfg
+        if self.block:
+            return self._draft_block(head_cache, root, root_pos)
         if self.sampled:
             depth = c.tree_depth
             if c.tree == "auto":
@@ -201,9 +208,25 @@ class SpeculativeGenerator:
             return tree_from_pool(pool, root, c.tree_total_tokens)
         # Auto: the head's probabilities scaled by how well they predicted acceptance so far; stop
         # drafting deeper when a level cannot pay for itself; keep the size that maximises tokens/s.
-        alpha = self._auto.calibration
         pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth,
                           min_gain=self._auto.min_level_gain())
+        return self._auto_tree(pool, root)
+
+    def _draft_block(self, head_cache, root: int, root_pos: int) -> Tree:
+        """One head pass gives every block position's law; a sampled chain, or a tree of their top-k."""
+        c = self.cfg
+        log_probs = block_log_probs(self.head, head_cache, root, root_pos)  # [Q - 1, V]
+        if self.sampled:
+            return sampled_chain(log_probs, root, c.temperature, c.top_k, c.top_p, generator=self.rng)
+        pool = block_pool(log_probs, min(c.tree_top_k, log_probs.shape[-1]))
+        if c.tree != "auto":
+            return tree_from_pool(pool, root, c.tree_total_tokens)
+        return self._auto_tree(pool, root)
+
+    def _auto_tree(self, pool, root: int) -> Tree:
+        """Keep the tree size that maximises the expected tokens per second of a step."""
+        c = self.cfg
+        alpha = self._auto.calibration
         scores = pool.scores.float() + math.log(alpha)
         total = choose_tree_size(self.verify_times or {}, scores, default=c.tree_total_tokens,
                                  fixed_s=self._step_fixed_s)
@@ -235,6 +258,17 @@ class SpeculativeGenerator:
                            draft_probs=grafted.draft_probs)
         return grafted, g
 
+    @torch.inference_mode()
+    def _commit(self, hcache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+                ) -> torch.Tensor | None:
+        """The head reads the verified tokens' target features [T, k, Ht] at their positions [T] (each
+        token of `tokens` [T] is the one after them); returns the hidden state that drafts next (EAGLE),
+        or None for a block drafter, which keeps only the context."""
+        if self.block:
+            self.head.commit(hcache, features, positions)
+            return None
+        return head_commit(self.head, hcache, tokens, features, positions + 1)
+
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
         if self.verify_times is None:
@@ -252,7 +286,7 @@ class SpeculativeGenerator:
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
         stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
-        tcache, hcache = new_cache(), new_cache()
+        tcache, hcache = new_cache(), (self.head.new_cache() if self.block else new_cache())
         n = prompt.numel()
         lookup = None
 
@@ -268,10 +302,8 @@ class SpeculativeGenerator:
         yield emitted
 
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            commit_tokens = torch.cat([prompt[1:], torch.tensor([root], device=self.device)])
-            root_hidden = head_commit(self.head, hcache, commit_tokens, out.features,
-                                      torch.arange(1, n + 1, device=self.device))
+        root_hidden = self._commit(hcache, torch.cat([prompt[1:], torch.tensor([root], device=self.device)]),
+                                   out.features, torch.arange(n, device=self.device))
         res.timings.draft_s += time.perf_counter() - t0
         root_pos = n  # = target cache length: the root is not yet in it
 
@@ -314,11 +346,10 @@ class SpeculativeGenerator:
             if stop.done:
                 break
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
-                m = new.numel()
-                root_hidden = head_commit(self.head, hcache, new, out.features[acc.nodes],
-                                          torch.arange(root_pos + 1, root_pos + m + 1, device=self.device))
+            new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
+            m = new.numel()
+            root_hidden = self._commit(hcache, new, out.features[acc.nodes],
+                                       torch.arange(root_pos, root_pos + m, device=self.device))
             commit_s = time.perf_counter() - t0
             res.timings.draft_s += commit_s
             self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s

@@ -36,7 +36,7 @@ from eagle.config import ConfigError
 class HeadConfig:
     """Everything needed to rebuild a head; saved as `head_config.json` next to its weights."""
 
-    algorithm: str  # eagle1 | eagle3
+    algorithm: str  # eagle1 | eagle3 | dflash
     hidden_size: int  # head width (= target hidden size)
     target_hidden_size: int
     vocab_size: int  # target vocabulary
@@ -57,6 +57,11 @@ class HeadConfig:
     # final-normed output (not the pre-norm one) fed back as the next step's hidden state.
     fc_norm: bool = False
     norm_output: bool = False
+    # Block drafters (DFlash): tokens a draft pass fills (anchor included), draft layers, the id whose
+    # embedding fills the draft positions. EAGLE heads keep the defaults.
+    block_size: int = 1
+    num_layers: int = 1
+    mask_token_id: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -86,6 +91,9 @@ class DraftHead(nn.Module, ABC):
     algorithm: ClassVar[str]  # the `draft.algorithm` / `HeadConfig.algorithm` name it is registered under
     num_aux_layers: ClassVar[int] = 0
     reduced_vocab: ClassVar[bool] = False
+    # Drafts a whole block in one pass over a context of target features (DFlash) instead of one
+    # token per forward over its own previous outputs (EAGLE); the decoder drafts with `eagle.decode.block`.
+    drafts_block: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()

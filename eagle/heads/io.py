@@ -21,7 +21,7 @@ from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_write_bytes, atomic_write_text, safetensors_bytes
-from eagle.heads import eagle1, eagle3  # noqa: F401  (register the head classes)
+from eagle.heads import dflash, eagle1, eagle3  # noqa: F401  (register the head classes)
 from eagle.heads.base import HEADS, DraftHead, HeadConfig
 from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
 
@@ -86,13 +86,20 @@ def head_config_from_target(
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
                 raise ConfigError(problem)
-    eagle31 = bool(head_cls.num_aux_layers)
+    eagle31 = bool(head_cls.num_aux_layers) and not head_cls.drafts_block  # EAGLE-3's fc_norm / norm_output
     if (draft_cfg.fc_norm or draft_cfg.norm_output) and not eagle31:
         # Like draft_vocab_size and aux_layer_ids: a recipe sets them for its EAGLE-3 head, and
         # `recipe=... draft=eagle1` must still work.
-        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of fused-feature heads; "
-                 "draft.algorithm=%s has no aux layers, so they are ignored", algo)
+        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of EAGLE-3 heads; "
+                 "draft.algorithm=%s has no such parts, so they are ignored", algo)
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    block: dict[str, Any] = {}
+    if head_cls.drafts_block:
+        mask = draft_cfg.mask_token_id if draft_cfg.mask_token_id is not None else default_mask_token_id(text)
+        if not 0 <= mask < vocab:
+            raise ConfigError(f"draft.mask_token_id={mask} is outside the target's vocabulary [0, {vocab - 1}]")
+        block = {"block_size": int(draft_cfg.block_size), "num_layers": int(draft_cfg.num_layers),
+                 "mask_token_id": int(mask)}
     return HeadConfig(
         algorithm=algo,
         hidden_size=hidden,
@@ -113,7 +120,22 @@ def head_config_from_target(
         target_fingerprint=target_info.fingerprint if target_info is not None else "",
         fc_norm=eagle31 and bool(draft_cfg.fc_norm),
         norm_output=eagle31 and bool(draft_cfg.norm_output),
+        **block,
     )
+
+
+def default_mask_token_id(text_config: Any) -> int:
+    """The token whose embedding fills a DFlash block's draft positions when `draft.mask_token_id` is
+    unset: the target's pad token unless it is also an end of sequence (the embedding of a token the
+    target reads in every answer would blur what the draft layers can tell apart), else the last
+    vocabulary id (the reserved rows of most vocabularies). The embedding stays the target's (frozen):
+    the draft layers learn to read it, and the engines embed the same id."""
+    pad = getattr(text_config, "pad_token_id", None)
+    eos = getattr(text_config, "eos_token_id", None)
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    if isinstance(pad, int) and pad not in eos_ids and 0 <= pad < text_config.vocab_size:
+        return pad
+    return int(text_config.vocab_size) - 1
 
 
 def build_head(

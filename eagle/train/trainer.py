@@ -47,7 +47,6 @@ from accelerate.utils import gather_object
 from torch import nn
 
 from eagle.algorithms import LossParts, LossSettings, get_algorithm
-from eagle.algorithms.base import aligned_inputs, step_masks
 from eagle.artifacts import resolve_draft
 from eagle.capture.reader import check_compatible, read_manifest
 from eagle.config import ConfigError, RootConfig
@@ -223,7 +222,7 @@ class TrainRecipe:
         self.stream = BatchStream(self.train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, self.pad_id,
                                   self.rank, self.world, DataPosition(self.state.epoch, self.state.index),
                                   group_lengths=t.group_by_length)
-        algo = get_algorithm(cfg.draft.algorithm)
+        algo = self.algorithm = get_algorithm(cfg.draft.algorithm)
         self.settings = algo.loss_settings(cfg.draft, t, self.pad_id, training=True)
         self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)
         self.wrapper, self.optimizer = acc.prepare(TrainStep(head, self.lm_head, self.settings), optimizer)
@@ -294,9 +293,7 @@ class TrainRecipe:
         masks are cheap host tensors here, before `featurize` moves the batch to the device."""
         local = torch.zeros(self.settings.steps, dtype=torch.float64)
         for mb in micro:
-            a = aligned_inputs(mb, self.pad_id)
-            local += torch.tensor([float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], self.settings.steps)],
-                                  dtype=torch.float64)
+            local += torch.tensor(self.algorithm.step_token_counts(mb, self.settings), dtype=torch.float64)
         total = self.accelerator.reduce(local.to(self.device), reduction="sum") if self.world > 1 else local
         return total.clamp(min=1.0) / self.world
 
