@@ -212,13 +212,12 @@ class TrainConfig:
     ttt_steps: int = 7  # EAGLE-3 training-time-test unroll length
     # What each drafted position is trained against (eagle.algorithms.objectives): ce = soft
     # cross-entropy against the target's law (KL); lk_tv / lk_nla / lk_hybrid = the LK losses
-    # (arXiv 2602.23881), which train for acceptance sum_x min(p, q)(x) itself.
+    # (arXiv 2602.23881), which train for the acceptance sum_x min(p, q)(x) itself.
     loss: str = "ce"
-    lk_hybrid_weight: float = 0.5  # lk_hybrid: weight of the acceptance term (1 - that on the KL term)
     # How the drafted positions of one pass are weighted (block drafters: position j of the block;
     # EAGLE: unroll step j): auto = the algorithm's published rule (EAGLE-3: ttt_decay^j; DFlash:
-    # decay) | uniform | decay (exp(-(j - 1) / position_gamma), DFlash's) | dpace (D-PACE: each position
-    # by the chance the chain reaches it, from the head's own running acceptance).
+    # decay) | uniform | decay (exp(-(j - 1) / position_gamma), DFlash's) | dpace (D-PACE: each drafted
+    # token by how likely the chain reaches it and what follows it is worth, from the head's own confidence).
     position_weights: str = "auto"
     position_gamma: float = 7.0  # decay: DFlash's gamma (7 for block size 16, 5 for 10, 4 for 8)
     anchors_per_sequence: int = 64  # block drafters: anchors (blocks) trained per sequence in one pass
@@ -446,8 +445,6 @@ def validate(cfg: RootConfig) -> RootConfig:
                           "(or schedule_over=steps)")
     _choice("train.loss", t.loss, LOSSES)
     _choice("train.position_weights", t.position_weights, POSITION_WEIGHTS)
-    if not 0.0 <= t.lk_hybrid_weight <= 1.0:
-        raise ConfigError(f"train.lk_hybrid_weight={t.lk_hybrid_weight} must be in [0, 1]")
     _positive("train.position_gamma", t.position_gamma)
     _positive("train.anchors_per_sequence", t.anchors_per_sequence)
     if not 0.0 < t.ttt_decay <= 1.0:
@@ -455,6 +452,12 @@ def validate(cfg: RootConfig) -> RootConfig:
     if t.init_layer_from_target is not None and t.init_from:
         raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
                           f"train.init_from={t.init_from!r} a trained one: set one of them")
+    if t.position_weights == "dpace" and cfg.draft.algorithm != "dflash":
+        raise ConfigError(f"train.position_weights=dpace weighs the positions of a drafted block; draft.algorithm="
+                          f"{cfg.draft.algorithm} unrolls one token at a time: use auto, uniform or decay")
+    if t.loss != "ce" and cfg.draft.algorithm == "eagle1":
+        raise ConfigError(f"train.loss={t.loss}: EAGLE-1 trains a feature regression beside its token loss; the "
+                          "LK losses are for eagle3 and dflash (or train.loss=ce)")
     if t.freeze_lm_head and cfg.draft.algorithm != "eagle3":
         raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={cfg.draft.algorithm} has no LM head of its own "
                           "(it reads the target's, which is never trained); drop the option")

@@ -210,7 +210,8 @@ def _vocab8_target():
     return model.eval()
 
 
-def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), **decode_kw) -> None:
+def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), head_options: dict | None = None,
+                       **decode_kw) -> None:
     """Tokens 2 and 3 of speculative sampling follow the target's exact law (token 1 is marginalised).
 
     Token 1 comes from the prefill; tokens 2-3 come from the first verify pass (an accepted draft plus
@@ -232,7 +233,8 @@ def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), *
     p2 = process_logits(logits[::8, 3], t, k, tp)  # [8 (t1), 8 (t2)]
     p3 = process_logits(logits[:, 4], t, k, tp).view(8, 8, 8)  # [t1, t2, t3]
     exact = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # [64] law of (t2, t3)
-    gen = SpeculativeGenerator(model, random_head(model, "eagle1", seed=0), tok, cfg)
+    options = {"algorithm": "eagle1", **(head_options or {})}
+    gen = SpeculativeGenerator(model, random_head(model, seed=0, **options), tok, cfg)
     counts = torch.zeros(64)
     accepted = grafted_accepted = 0
     for _ in range(samples):

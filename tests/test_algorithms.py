@@ -49,8 +49,10 @@ def test_loss_settings_and_summary_weights_agree(name):
     train = TrainConfig(ttt_steps=4)
     settings = algo.loss_settings(DraftConfig(algorithm=name, feature_noise_std=0.3), train, pad_id=0, training=True)
     evaluation = algo.loss_settings(DraftConfig(algorithm=name, feature_noise_std=0.3), train, pad_id=0, training=False)
-    assert evaluation.steps == 4 and evaluation.noise_std == 0.0  # held-out numbers: every depth, no noise
+    # Held-out numbers: every depth (a block drafter: every block position), no noise.
+    depth = DraftConfig().block_size - 1 if algo.head_class.drafts_block else 4
+    assert evaluation.steps == depth and evaluation.noise_std == 0.0
     weights, extra = algo.summary_weights(train, evaluation.steps)
     assert len(weights) == evaluation.steps and set(extra) <= set(algo.extra_metrics)
-    assert 1 <= settings.steps <= 4
+    assert 1 <= settings.steps <= depth
     assert torch.isfinite(torch.tensor(weights)).all()

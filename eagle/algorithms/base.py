@@ -12,6 +12,7 @@ f_t and predicts x_{t+2}; `aligned_inputs` shifts a collated batch accordingly.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -61,7 +62,6 @@ class LossSettings:
     pad_id: int
     dense_ttt_mask: bool = False  # unroll through the dense mask (the definition; scripts/bench_ttt.py)
     loss: str = "ce"  # train.loss (eagle.algorithms.objectives)
-    hybrid_weight: float = 0.5  # train.lk_hybrid_weight
     position_weights: str = "decay"  # train.position_weights, `auto` resolved by the algorithm
     position_gamma: float = 7.0
     anchors: int = 0  # block drafters: anchors per sequence
@@ -100,10 +100,12 @@ def unrolled_soft_ce(
     d2t: torch.Tensor,  # [Vd] draft id -> target id offset
     decay: float,
     norms: torch.Tensor | None,
+    loss: str = "ce",
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]:
-    """The unrolled soft cross-entropy (`eagle3_loss_packed`) as (objective, step sums, raw result)."""
+    """The unrolled loss (`eagle3_loss_packed`: soft cross-entropy, or `loss` of `eagle.algorithms.objectives`)
+    as (objective, step sums, raw result)."""
     steps = len(step_logits)
-    r = eagle3_loss_packed(step_logits, target_logits, step_rows, t2d, d2t, decay)
+    r = eagle3_loss_packed(step_logits, target_logits, step_rows, t2d, d2t, decay, loss)
     counts = [c.float() for c in r.step_counts]  # 0-d tensors, as `step_masks` counts them
     n = token_norms(counts, norms)
     objective = sum(decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps))
@@ -148,12 +150,15 @@ class Algorithm(ABC):
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
-        return LossSettings(steps=train.ttt_steps, decay=train.ttt_decay, feature_weight=train.feature_loss_weight,
-                            token_weight=train.token_loss_weight, noise_std=0.0, pad_id=pad_id)
+        # Unroll step i weighs decay^i: ttt_decay (auto), 1 (uniform) or DFlash's exp(-1 / gamma) (decay).
+        decay = {"auto": train.ttt_decay, "uniform": 1.0}.get(train.position_weights, math.exp(-1.0 / train.position_gamma))
+        return LossSettings(steps=train.ttt_steps, decay=decay, feature_weight=train.feature_loss_weight,
+                            token_weight=train.token_loss_weight, noise_std=0.0, pad_id=pad_id, loss=train.loss)
 
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
         """Weights of each step's loss and of each extra metric in the logged total `loss`."""
-        return [train.ttt_decay**i for i in range(steps)], {}
+        decay = self.loss_settings(DraftConfig(), train, 0, training=True).decay
+        return [decay**i for i in range(steps)], {}
 
     def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
         """[Vd, H] rows of the target's LM head that the soft labels need, or None for all of them."""

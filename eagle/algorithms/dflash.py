@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, token_norms
-from eagle.algorithms.objectives import acceptance, position_weights, token_losses
+from eagle.algorithms.objectives import dpace_weights, position_weights, token_losses
 from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.dflash import DFlashHead
@@ -95,14 +95,17 @@ class DFlash(Algorithm):
     name: ClassVar[str] = DFlashHead.algorithm
     title: ClassVar[str] = "DFlash"
     head_class: ClassVar[type[DraftHead]] = DFlashHead
-    export_formats: ClassVar[tuple[str, ...]] = ("hf",)
+    # vllm: vLLM's `DFlashDraftModel` (qwen3_dflash.py): top-level fc / hidden_norm / norm / layers.N.*, the
+    # target's embeddings and LM head shared (the folder holds neither), dflash_config.{mask_token_id,
+    # target_layer_ids}; z-lab's layout, which llama.cpp's converter (conversion/qwen.py DFlashModel) reads too.
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf")
     format_refusals: ClassVar[dict[str, str]] = {
-        "speculators": "speculators 0.9.0 registers eagle, eagle3 and mlp speculators, no DFlash",
-        "sglang": "not exported yet: SGLang's DFlash loader is not read here",
-        "vllm": "not exported yet: vLLM's dflash loader layout is not checked here",
-        "llamacpp": "not exported yet: llama.cpp's DFlash conversion is not checked here",
+        "speculators": "speculators 0.9.0 has no DFlash speculator (models/: eagle, eagle3, mlp)",
+        "sglang": "not written yet: SGLang's DFlash loader has not been read against this layout",
+        "llamacpp": "not written yet: export format=vllm and convert it with llama.cpp's convert_hf_to_gguf.py "
+                    "--target-model-dir TARGET (DFlashDraftModel), then serve with --spec-type draft-dflash",
     }
-    architectures: ClassVar[dict[str, str]] = {"hf": "DFlashDraftModel"}
+    architectures: ClassVar[dict[str, str]] = {"vllm": "DFlashDraftModel", "hf": "DFlashDraftModel"}
     known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     vllm_method: ClassVar[str] = "dflash"
     sglang_algorithm: ClassVar[str] = "DFLASH"
@@ -110,7 +113,7 @@ class DFlash(Algorithm):
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
         return LossSettings(steps=draft.block_size - 1, decay=1.0, feature_weight=0.0, token_weight=1.0,
-                            noise_std=0.0, pad_id=pad_id, loss=train.loss, hybrid_weight=train.lk_hybrid_weight,
+                            noise_std=0.0, pad_id=pad_id, loss=train.loss,
                             position_weights="decay" if train.position_weights == "auto" else train.position_weights,
                             position_gamma=train.position_gamma, anchors=train.anchors_per_sequence,
                             block_size=draft.block_size)
@@ -150,30 +153,38 @@ class DFlash(Algorithm):
             teacher = batch["final_hidden"][rows[:, 0], labels[counts] - 1]  # [N, H] f_{a+j-1}
             target_logits = lm_head(teacher.to(lm_head.weight.dtype)).float()  # [N, V]
             p = torch.softmax(target_logits, -1)
-        losses = token_losses(s.loss, logq, p, s.hybrid_weight)  # [N]
-        j = rows[:, 2]  # [N] block position - 1
-        n_pos = q_len - 1
+        losses = token_losses(s.loss, logq, p)  # [N]
+        j, n_pos = rows[:, 2], q_len - 1  # [N] block position - 1
+        if s.position_weights == "dpace":
+            ce = losses if s.loss == "ce" else -(p * logq).sum(-1)
+            confidence = torch.zeros(counts.shape, device=logq.device)
+            confidence[counts] = torch.exp(-ce.detach())  # the head's probability of the target's draw
+            weights = dpace_weights(confidence, counts)[counts]  # [N]
+        else:
+            weights = position_weights(s.position_weights, n_pos, s.position_gamma).to(logq.device)[j]  # [N]
         step_tokens = list(torch.bincount(j, minlength=n_pos).float())  # n_pos x 0-d
-        step_sum = torch.zeros(n_pos, device=logq.device).index_add(0, j, losses)
+        denom = torch.stack(token_norms(step_tokens, norms))
+        objective = (torch.zeros(n_pos, device=logq.device).index_add(0, j, weights * losses) / denom).sum()
         with torch.no_grad():
+            step_sum = torch.zeros(n_pos, device=logq.device).index_add(0, j, losses.detach())
             correct = (logq.argmax(-1) == target_logits.argmax(-1)).float()
             step_correct = torch.zeros(n_pos, device=logq.device).index_add(0, j, correct)
-            alphas = None
-            if s.position_weights == "dpace":
-                alpha = acceptance(p, logq)
-                alphas = torch.zeros(n_pos, device=logq.device).index_add(0, j, alpha) / torch.stack(
-                    step_tokens).clamp(min=1)
-        w = position_weights(s.position_weights, n_pos, s.position_gamma, alphas).to(logq.device)
-        denom = torch.stack(token_norms(step_tokens, norms))
-        objective = (w * step_sum / denom).sum()
-        return LossParts(objective, list(step_sum.detach()), list(step_correct), step_tokens, {},
+        return LossParts(objective, list(step_sum), list(step_correct), step_tokens, {},
                          torch.isfinite(objective.detach()))
 
     # --- export --------------------------------------------------------------------------------
     def export_refusals(self, cfg: HeadConfig, fmt: str) -> list[str]:
-        return []
+        out = super().export_refusals(cfg, fmt)
+        if 0 in cfg.aux_layer_ids:
+            # dflash_config.target_layer_ids names layer outputs (ours: layer inputs, id - 1); the embedding
+            # output (our id 0) has no such name, in vLLM or in llama.cpp's converter.
+            out.append(f"aux_layer_ids={cfg.aux_layer_ids}: id 0 (the embeddings) is not a decoder layer's output, "
+                       "which is what DFlash's target_layer_ids name; train with draft.aux_layer_ids >= 1")
+        return out
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
-        return {"block_size": cfg.block_size, "num_hidden_layers": cfg.num_layers,
-                "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.aux_layer_ids)},
-                "target_hidden_size": cfg.target_hidden_size}
+        # Qwen3-shaped draft layers (per-head q/k norms) whatever the target family, as the engines build them.
+        return {"model_type": "qwen3", "num_hidden_layers": cfg.num_layers, "block_size": cfg.block_size,
+                "target_hidden_size": cfg.target_hidden_size,
+                "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                                  "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}}

@@ -72,7 +72,7 @@ class Eagle3(Algorithm):
                 target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [N, V]
                 t2d, d2t = head.t2d, head.d2t
         objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
-            step_logits, target_logits, rows, t2d, d2t, s.decay, norms)
+            step_logits, target_logits, rows, t2d, d2t, s.decay, norms, s.loss)
         extra = {}
         if r.coverage is not None and label_rows is None:  # with label rows every label is in the draft vocab
             extra["coverage"] = r.coverage * step_tokens[0]

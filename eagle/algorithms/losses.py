@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from eagle.algorithms.objectives import token_losses
+
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
     """out[:, t] = x[:, t + n] along dim 1, `fill` past the end. x [B, T, ...]."""
@@ -233,9 +235,11 @@ def eagle3_loss_packed(
     t2d: torch.Tensor,  # bool [V]
     d2t: torch.Tensor,  # int64 [Vd]
     decay: float = 0.8,
+    loss: str = "ce",
 ) -> Eagle3Loss:
     """`eagle3_loss` on the positions that count only (`packed_positions`): the LM heads, softmaxes and
-    argmaxes run on N_i rows instead of B x T (prompts and padding are no loss tokens)."""
+    argmaxes run on N_i rows instead of B x T (prompts and padding are no loss tokens). `loss` other than
+    ce: the LK objectives of `eagle.algorithms.objectives` against the same renormalised target law."""
     probs, top1, in_vocab = eagle3_targets(target_logits, t2d.to(target_logits.device))  # [N, Vd], [N], [N]
     total = target_logits.new_zeros((), dtype=torch.float32)
     out = Eagle3Loss(loss=total)
@@ -243,7 +247,7 @@ def eagle3_loss_packed(
         count = torch.tensor(rows.numel(), device=logits.device)
         n = count.clamp(min=1)
         logp = torch.log_softmax(logits.float(), dim=-1)  # [N_i, Vd]
-        step_loss = -(probs[rows] * logp).sum() / n
+        step_loss = token_losses(loss, logp, probs[rows]).sum() / n
         with torch.no_grad():
             drafted = logits.argmax(-1)  # [N_i] draft ids
             drafted = drafted + d2t.to(drafted.device)[drafted]  # -> target ids
