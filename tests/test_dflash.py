@@ -5,6 +5,7 @@ through the trainer offline and online."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 from typing import ClassVar
@@ -29,6 +30,7 @@ from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
 from eagle.decode.block import block_log_probs, block_pool
 from eagle.decode.generator import SpeculativeGenerator
+from eagle.evaluate import evaluate
 from eagle.export.loader import load_draft
 from eagle.heads.dflash import DFlashHead
 from eagle.train.trainer import train
@@ -291,6 +293,16 @@ def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, 
     ids = prompt_ids(tok, "The quick brown fox")
     res = SpeculativeGenerator(model, head, tok, decode_cfg(draft_dtype="float32")).generate(ids)
     assert res.tokens == hf_greedy(model, ids, 24)
+    if online:
+        return
+    # eagle-eval on the trained head: greedy identical to HF generate, the report names the algorithm and block.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "prompt": "Write a short poem about the sea."}) + "\n")
+    report = evaluate(compose([f"target.path={ws.target}", f"draft.path={tmp_path / 'out'}",
+                               f"eval.prompts={prompts}", "eval.warmup_prompts=0", "decode.max_new_tokens=16",
+                               "decode.temperature=0", "target.dtype=float32", f"output_dir={tmp_path / 'eval'}"]))
+    assert report["greedy_match"] == 1.0
+    assert report["settings"]["algorithm"] == "dflash" and report["settings"]["block_size"] == 4
 
 
 def test_config_refuses_bad_block_settings():

@@ -227,8 +227,10 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
     return out
 
 
-def _max_depth(decode: DecodeConfig) -> int | None:
-    if decode.tree == "static" and decode.static_paths:
+def _max_depth(decode: DecodeConfig, block_size: int | None = None) -> int | None:
+    if block_size is not None:  # a block drafter drafts every block position, whatever decode.tree_depth says
+        depth = block_size - 1
+    elif decode.tree == "static" and decode.static_paths:
         depth = max(len(p) for p in decode.static_paths)
     else:
         depth = decode.tree_depth if decode.tree != "static" else None
@@ -342,7 +344,8 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             _append_progress(progress, fingerprint, rec)
             per_prompt.append(rec)
 
-        report = aggregate(per_prompt, decode.temperature, _max_depth(decode), acceptance=rule.settings())
+        block_size = head.config.block_size if head.drafts_block else None
+        report = aggregate(per_prompt, decode.temperature, _max_depth(decode, block_size), acceptance=rule.settings())
         if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines and check:
             turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
             report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)
@@ -360,6 +363,7 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             "draft_folder": str(draft.folder),
             "draft_kind": draft.via,
             "algorithm": head.config.algorithm,
+            "block_size": block_size,  # tokens a draft pass fills (block drafters; null for EAGLE heads)
             "prompts": cfg.eval.prompts,
             "prompt_ids": [p.id for p in prompts],
             "turns": cfg.eval.turns,
