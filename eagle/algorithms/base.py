@@ -114,6 +114,14 @@ def unrolled_soft_ce(
     return objective, step_loss, step_correct, counts, r
 
 
+def unroll_decay(train: TrainConfig) -> float:
+    """Unroll step i's loss weighs decay^i: train.ttt_decay (position_weights=auto), 1 (uniform) or DFlash's
+    exp(-1 / position_gamma) (decay). dpace is refused for unrolled heads by config validation."""
+    if train.position_weights == "auto":
+        return train.ttt_decay
+    return 1.0 if train.position_weights == "uniform" else math.exp(-1.0 / train.position_gamma)
+
+
 class Algorithm(ABC):
     """A draft algorithm: its head class, feature spec, loss and export names."""
 
@@ -150,14 +158,12 @@ class Algorithm(ABC):
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
-        # Unroll step i weighs decay^i: ttt_decay (auto), 1 (uniform) or DFlash's exp(-1 / gamma) (decay).
-        decay = {"auto": train.ttt_decay, "uniform": 1.0}.get(train.position_weights, math.exp(-1.0 / train.position_gamma))
-        return LossSettings(steps=train.ttt_steps, decay=decay, feature_weight=train.feature_loss_weight,
+        return LossSettings(steps=train.ttt_steps, decay=unroll_decay(train), feature_weight=train.feature_loss_weight,
                             token_weight=train.token_loss_weight, noise_std=0.0, pad_id=pad_id, loss=train.loss)
 
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
         """Weights of each step's loss and of each extra metric in the logged total `loss`."""
-        decay = self.loss_settings(DraftConfig(), train, 0, training=True).decay
+        decay = unroll_decay(train)
         return [decay**i for i in range(steps)], {}
 
     def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:

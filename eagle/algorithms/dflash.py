@@ -119,6 +119,7 @@ class DFlash(Algorithm):
                             block_size=draft.block_size)
 
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
+        # dpace weighs tokens, not positions: the logged total uses DFlash's static decay in its place.
         rule = "decay" if train.position_weights in ("auto", "dpace") else train.position_weights
         return position_weights(rule, steps, train.position_gamma).tolist(), {}
 

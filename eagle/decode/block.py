@@ -16,47 +16,32 @@ import torch
 
 from eagle.decode.accept import process_logits, sample_index
 from eagle.decode.draft import DraftPool
-from eagle.decode.tree import Tree
+from eagle.decode.tree import Tree, chain_tree
 from eagle.heads.base import DraftHead
 
 
 @torch.inference_mode()
-def block_log_probs(head: DraftHead, cache, root_token: int, root_position: int, depth: int | None = None) -> torch.Tensor:
-    """[D, V] log-probabilities of the D = block_size - 1 (or `depth`, fewer) tokens after the root."""
+def block_log_probs(head: DraftHead, cache, root_token: int, root_position: int) -> torch.Tensor:
+    """[Q - 1, V] log-probabilities of the block_size - 1 tokens after the root."""
     q_len = head.config.block_size
     device = next(head.parameters()).device
     ids = torch.full((1, q_len), head.config.mask_token_id, dtype=torch.long, device=device)
     ids[0, 0] = root_token
     pos = torch.arange(root_position, root_position + q_len, device=device)[None]  # [1, Q]
     out = head(ids, None, pos, attention_mask=None, past_key_values=cache)  # [1, Q, H]
-    d = q_len - 1 if depth is None else min(depth, q_len - 1)
-    return torch.log_softmax(head.logits(out[:, 1: d + 1])[0].float(), dim=-1)  # [D, V]
-
-
-def chain_tree(root_token: int, tokens: list[int], device: torch.device,
-               draft_probs: dict[int, torch.Tensor] | None = None) -> Tree:
-    """A chain root -> tokens[0] -> tokens[1] ... as a `Tree`."""
-    n = len(tokens) + 1
-    return Tree(tokens=torch.tensor([root_token] + tokens, dtype=torch.long, device=device),
-                parents=torch.arange(-1, n - 1, device=device), depths=torch.arange(n, device=device),
-                draft_probs=draft_probs or {})
-
-
-def greedy_chain(log_probs: torch.Tensor, root_token: int) -> Tree:
-    """Each block position's most likely token, as a chain below the root."""
-    return chain_tree(root_token, log_probs.argmax(-1).tolist(), log_probs.device)
+    return torch.log_softmax(head.logits(out[:, 1:])[0].float(), dim=-1)  # [Q - 1, V]
 
 
 def sampled_chain(log_probs: torch.Tensor, root_token: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
                   generator: torch.Generator | None = None) -> Tree:
     """One draw from each block position's law q_j (after the target's temperature / top-k / top-p),
-    kept with q_j for `walk_tree_sampled`."""
+    kept with q_j for `walk_tree_sampled`; log_probs [Q - 1, V]."""
     tokens, probs = [], {}
     for j in range(log_probs.shape[0]):
         q = process_logits(log_probs[j], temperature, top_k, top_p)  # [V]
         tokens.append(sample_index(q, generator))
         probs[j + 1] = q
-    return chain_tree(root_token, tokens, log_probs.device, probs)
+    return chain_tree([root_token] + tokens, log_probs.device, probs)
 
 
 def block_pool(log_probs: torch.Tensor, top_k: int) -> DraftPool:

@@ -17,7 +17,7 @@ import torch
 from eagle.config import DecodeConfig
 from eagle.decode.accept import process_logits, sample_index
 from eagle.decode.cache import cache_length, crop_cache
-from eagle.decode.tree import StaticTree, Tree, reindex_parents, select_dynamic, tree_mask
+from eagle.decode.tree import StaticTree, Tree, chain_tree, reindex_parents, select_dynamic, tree_mask
 from eagle.heads.base import DraftHead
 
 
@@ -189,10 +189,7 @@ def draft_sampled_chain(
         tokens.append(int(to_target[i]))
         probs[d + 1] = q
     crop_cache(cache, committed)
-    n = len(tokens)
-    return Tree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                parents=torch.arange(-1, n - 1, device=device), depths=torch.arange(n, device=device),
-                draft_probs=probs)
+    return chain_tree(tokens, device, probs)
 
 
 @torch.inference_mode()

@@ -171,6 +171,22 @@ def register_head(cls: type[DraftHead]) -> type[DraftHead]:
     return cls
 
 
+class BorrowsTargetOutput:
+    """Mixin (before `DraftHead` in the bases) for heads that read the target's token embeddings *and* its
+    LM head (EAGLE-1, DFlash): `attach_target` borrows both, `borrowed(name)` returns one."""
+
+    _borrowed: BorrowedModules
+
+    def borrowed(self, name: str) -> nn.Module:
+        if name not in self._borrowed:
+            raise RuntimeError("attach_target(target_model) must be called before using the head")
+        return self._borrowed[name]
+
+    def attach_target(self, target: nn.Module) -> None:
+        self._borrowed["embed_tokens"] = target.get_input_embeddings()
+        self._borrowed["lm_head"] = target.get_output_embeddings()
+
+
 class BorrowedModules(dict):
     """Frozen target modules a head uses but does not own (embeddings, EAGLE-1's LM head).
 

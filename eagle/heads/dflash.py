@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
+from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -123,7 +123,7 @@ class DFlashLayer(nn.Module):
 
 
 @register_head
-class DFlashHead(DraftHead):
+class DFlashHead(BorrowsTargetOutput, DraftHead):
     """The DFlash head; token embeddings and LM head borrowed from the target, sizes from `HeadConfig`
     (`num_layers` draft layers, `block_size` tokens a pass, `mask_token_id` filling the block)."""
 
@@ -146,22 +146,13 @@ class DFlashHead(DraftHead):
         self.rotary_emb = RotaryEmbedding(config)
         self._borrowed = BorrowedModules()  # the target's embeddings and LM head: never trained, never saved
 
-    # --- target-owned pieces -------------------------------------------------------------------
-    def _get(self, name: str) -> nn.Module:
-        if name not in self._borrowed:
-            raise RuntimeError("attach_target(target_model) must be called before using the head")
-        return self._borrowed[name]
-
-    def attach_target(self, target: nn.Module) -> None:
-        self._borrowed["embed_tokens"] = target.get_input_embeddings()
-        self._borrowed["lm_head"] = target.get_output_embeddings()
-
+    # --- target-owned pieces (attach_target: `BorrowsTargetOutput`) ---------------------------
     def feature_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
 
     # --- the steps -----------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._get("embed_tokens")(input_ids).to(self.fc.weight.dtype)  # [B, Q, H]
+        return self.borrowed("embed_tokens")(input_ids).to(self.fc.weight.dtype)  # [B, Q, H]
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         b, s, k, ht = features.shape  # [B, S, k, Ht]
@@ -201,5 +192,5 @@ class DFlashHead(DraftHead):
         return block
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        lm_head = self._get("lm_head")
+        lm_head = self.borrowed("lm_head")
         return lm_head(self.norm(hidden).to(lm_head.weight.dtype))  # [B, Q, V]

@@ -16,13 +16,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
+from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig, register_head
 from eagle.heads.layers import DecoderLayer, RotaryEmbedding
 from eagle.heads.target_layer import copy_target_layer
 
 
 @register_head
-class Eagle1Head(DraftHead):
+class Eagle1Head(BorrowsTargetOutput, DraftHead):
     """The EAGLE-1 head; token embeddings and LM head borrowed from the target."""
 
     algorithm: ClassVar[str] = "eagle1"
@@ -37,23 +37,14 @@ class Eagle1Head(DraftHead):
         self.rotary_emb = RotaryEmbedding(config)
         self._borrowed = BorrowedModules()  # not submodules: never trained, never saved
 
-    # --- target-owned pieces -------------------------------------------------------------------
-    def _get(self, name: str) -> nn.Module:
-        if name not in self._borrowed:
-            raise RuntimeError("attach_target(target_model) must be called before using the head")
-        return self._borrowed[name]
-
+    # --- target-owned pieces (attach_target: `BorrowsTargetOutput`) ---------------------------
     @property
     def target_embed_tokens(self) -> nn.Module:
-        return self._get("embed_tokens")
+        return self.borrowed("embed_tokens")
 
     @property
     def target_lm_head(self) -> nn.Module:
-        return self._get("lm_head")
-
-    def attach_target(self, target: nn.Module) -> None:
-        self._borrowed["embed_tokens"] = target.get_input_embeddings()
-        self._borrowed["lm_head"] = target.get_output_embeddings()
+        return self.borrowed("lm_head")
 
     def feature_layer_ids(self) -> list[int]:
         return [-1]
