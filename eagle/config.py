@@ -130,10 +130,6 @@ class CaptureConfig:
     vllm_timeout_s: float = 1800.0  # vllm: longest engine start-up, or wait for one batch's states
 
 
-# The registered draft algorithms (`eagle.algorithms.ALGORITHMS`, one module each); listed here so that a
-# config is validated without importing torch. tests/test_algorithms.py keeps the two in step.
-DRAFT_ALGORITHMS = ("eagle1", "eagle3", "dflash")
-
 # train.loss and train.position_weights (eagle/algorithms/objectives.py keeps the implementations).
 LOSSES = ("ce", "lk_tv", "lk_nla", "lk_hybrid")
 POSITION_WEIGHTS = ("auto", "uniform", "decay", "dpace")
@@ -145,7 +141,7 @@ ACCEPTANCE_RULES = ("exact", "typical", "lenient")
 
 @dataclass
 class DraftConfig:
-    algorithm: str = "eagle3"  # one of DRAFT_ALGORITHMS
+    algorithm: str = "eagle3"  # a name in eagle.algorithms.ALGORITHMS (checked there, at start)
     # A trained head for eval/export/publish: a training output dir (best checkpoint), a checkpoint
     # dir, or an exported folder.
     path: str | None = None
@@ -163,7 +159,7 @@ class DraftConfig:
     # Block drafters (DFlash): tokens one draft pass fills (the anchor, the newest accepted token, plus
     # block_size - 1 drafts), draft decoder layers, and the token id whose (frozen) embedding fills the
     # block's draft positions. mask_token_id None: the target's pad token when it is not an end of
-    # turn, else the last vocabulary id (`eagle.heads.io.default_mask_token_id`).
+    # turn, else the last vocabulary id (`eagle.algorithms.head_io.default_mask_token_id`).
     block_size: int = 16
     num_layers: int = 1
     mask_token_id: int | None = None
@@ -415,7 +411,6 @@ def validate(cfg: RootConfig) -> RootConfig:
     _choice("capture.vllm_connector", cfg.capture.vllm_connector, ("auto", "vllm", "cpu"))
     _positive("capture.tensor_parallel_size", cfg.capture.tensor_parallel_size)
     _positive("capture.vllm_timeout_s", cfg.capture.vllm_timeout_s)
-    _choice("draft.algorithm", cfg.draft.algorithm, DRAFT_ALGORITHMS)
     _positive("draft.draft_vocab_size", cfg.draft.draft_vocab_size)
     _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)
     if cfg.draft.aux_layer_ids is not None and len(cfg.draft.aux_layer_ids) != 3:
@@ -452,15 +447,6 @@ def validate(cfg: RootConfig) -> RootConfig:
     if t.init_layer_from_target is not None and t.init_from:
         raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
                           f"train.init_from={t.init_from!r} a trained one: set one of them")
-    if t.position_weights == "dpace" and cfg.draft.algorithm != "dflash":
-        raise ConfigError(f"train.position_weights=dpace weighs the positions of a drafted block; draft.algorithm="
-                          f"{cfg.draft.algorithm} unrolls one token at a time: use auto, uniform or decay")
-    if t.loss != "ce" and cfg.draft.algorithm == "eagle1":
-        raise ConfigError(f"train.loss={t.loss}: EAGLE-1 trains a feature regression beside its token loss; the "
-                          "LK losses are for eagle3 and dflash (or train.loss=ce)")
-    if t.freeze_lm_head and cfg.draft.algorithm != "eagle3":
-        raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={cfg.draft.algorithm} has no LM head of its own "
-                          "(it reads the target's, which is never trained); drop the option")
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 
 import eagle
 from eagle.algorithms import get_algorithm
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.cli.app import compose
-from eagle.heads import build_head, head_config_from_target
 from eagle.targets import load_target
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from eagle.algorithms import get_algorithm
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.cli.app import compose
-from eagle.heads import build_head, head_config_from_target
 from eagle.targets import load_target
 
 

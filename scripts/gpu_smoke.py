@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle.algorithms.head_io import read_head_config  # noqa: E402
 from eagle.capture.runner import run_capture  # noqa: E402
 from eagle.cli.app import compose  # noqa: E402
-from eagle.heads.io import read_head_config  # noqa: E402
 from eagle.train.trainer import train  # noqa: E402
 from tests.support.data import write_conversations  # noqa: E402
 from tests.support.train import base_overrides, train_overrides  # noqa: E402

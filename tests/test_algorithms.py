@@ -3,21 +3,33 @@ the export formats, so that adding one is a module in eagle/algorithms plus its 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import eagle.algorithms
 from eagle.algorithms import ALGORITHMS, get_algorithm
-from eagle.config import DRAFT_ALGORITHMS, ConfigError, DraftConfig, TrainConfig
+from eagle.algorithms.head_io import head_config_from_target
+from eagle.cli.app import compose
+from eagle.config import ConfigError, DraftConfig, TrainConfig
 from eagle.export.formats import FORMATS, build_config, detect_algorithm, expected_tensors, format_keys
-from eagle.heads.base import HEADS
-from eagle.heads.io import head_config_from_target
 from tests.tiny_models import make_model
 
 
-def test_registry_matches_the_config_and_the_heads():
-    assert tuple(sorted(ALGORITHMS)) == tuple(sorted(DRAFT_ALGORITHMS)) == tuple(sorted(HEADS))
+def test_each_algorithm_is_one_package_one_registration_and_one_config_group():
+    """Adding an algorithm is its folder and its line in ALGORITHMS: the head, the Algorithm and any
+    drafting step live in eagle/algorithms/<name>/, and `draft=<name>` composes."""
+    root = Path(eagle.algorithms.__file__).parent
+    packages = {p.parent.name for p in root.glob("*/algorithm.py")}
+    assert packages == set(ALGORITHMS)
     for name, algo in ALGORITHMS.items():
-        assert algo.name == name and algo.head_class is HEADS[name]
+        assert algo.name == name == algo.head_class.algorithm
+        assert type(algo).__module__ == f"eagle.algorithms.{name}.algorithm"
+        assert algo.head_class.__module__ == f"eagle.algorithms.{name}.head"
+        assert compose([f"draft={name}"]).draft.algorithm == name
+    with pytest.raises(ConfigError, match=r"draft.algorithm='medusa' is not one of eagle1, eagle3"):
+        compose(["draft.algorithm=medusa"])
     with pytest.raises(ConfigError, match=r"draft.algorithm='medusa' is not one of eagle1, eagle3"):
         get_algorithm("medusa")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle.algorithms.head_io import build_head, head_config_from_target, save_head
 from eagle.assets import has_asset
 from eagle.config import DraftConfig, TargetConfig
-from eagle.heads.io import build_head, head_config_from_target, save_head
 from eagle.targets import load_target
 from tests.tiny_models import save_model
 

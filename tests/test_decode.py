@@ -169,7 +169,7 @@ def test_draft_pool_stops_where_the_next_levels_expected_gain_falls_below_min_ga
     frontier it was drafted from, at most 1); the first level under `min_gain` ends the pool, which is
     then a prefix of the full one."""
     from eagle.decode.cache import cache_length
-    from eagle.decode.draft import draft_pool, head_commit
+    from eagle.decode.draft import draft_pool
     from eagle.decode.target import new_cache
 
     model = make_model("llama")[0]
@@ -180,7 +180,7 @@ def test_draft_pool_stops_where_the_next_levels_expected_gain_falls_below_min_ga
     k, depth = 3, 5
     cache = new_cache()
     with torch.inference_mode():
-        root = head_commit(head, cache, prompt, feats, torch.arange(1, 7))
+        root = head.commit(cache, prompt, feats, torch.arange(0, 6))
         full = draft_pool(head, cache, root, 6, k, depth)
         gains, parent_mass = [], 1.0  # the root's mass
         for d in range(1, depth):

@@ -16,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle.algorithms import get_algorithm
-from eagle.algorithms.dflash import block_attention_mask, block_inputs, choose_anchors, reference_block_mask
+from eagle.algorithms.dflash.algorithm import (
+    block_attention_mask,
+    block_inputs,
+    choose_anchors,
+    reference_block_mask,
+)
+from eagle.algorithms.dflash.drafting import block_log_probs
+from eagle.algorithms.dflash.head import DFlashHead
 from eagle.algorithms.objectives import (
     dpace_weights,
     dpace_weights_reference,
@@ -28,11 +35,10 @@ from eagle.algorithms.objectives import (
 from eagle.capture.features import extract_features
 from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
-from eagle.decode.block import block_log_probs, block_pool
+from eagle.decode.block import block_pool
 from eagle.decode.generator import SpeculativeGenerator
 from eagle.evaluate import evaluate
 from eagle.export.loader import load_draft
-from eagle.heads.dflash import DFlashHead
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.support.heads import randomise
@@ -105,8 +111,8 @@ def test_training_pass_equals_the_decoders_block_pass(qwen3):
     out = head(block_ids, None, pos, block_attention_mask(anchors, torch.ones_like(ids, dtype=torch.bool), q), kv)
     trained = torch.log_softmax(head.logits(out.view(1, 3, q, -1)[:, :, 1:]).float(), -1)[0]  # [A, Q-1, V]
     for i, a in enumerate(anchors[0].tolist()):
-        cache = head.new_cache()
-        head.commit(cache, feats["aux_hidden"][0, :a], torch.arange(a))
+        cache = head.new_draft_cache()
+        head.commit(cache, ids[0, 1:a + 1], feats["aux_hidden"][0, :a], torch.arange(a))
         decoded = block_log_probs(head, cache, int(ids[0, a]), a)  # [Q-1, V]
         torch.testing.assert_close(decoded, trained[i], atol=2e-5, rtol=1e-5)
 
@@ -139,8 +145,8 @@ def test_loss_matches_a_per_anchor_reference(qwen3):
         for a in batch["anchors"][b].tolist():
             if a < 0:
                 continue
-            cache = head.new_cache()
-            head.commit(cache, feats["aux_hidden"][b, :a], torch.arange(a))
+            cache = head.new_draft_cache()
+            head.commit(cache, ids[b, 1:a + 1], feats["aux_hidden"][b, :a], torch.arange(a))
             logq = block_log_probs(head, cache, int(ids[b, a]), a)  # [3, V]
             for j in range(1, 4):
                 if a + j >= t or not loss_mask[b, a + j]:

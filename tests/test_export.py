@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle.algorithms.head_io import build_head, head_config_from_target, save_head
 from eagle.config import DraftConfig
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.formats import EXPORT_META_KEY
 from eagle.fileio import safetensors_bytes
-from eagle.heads.io import build_head, head_config_from_target, save_head
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 

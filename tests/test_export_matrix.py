@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.config import DraftConfig
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.formats import FORMATS
-from eagle.heads.io import build_head, head_config_from_target
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 

@@ -8,9 +8,15 @@ import json
 import pytest
 import torch
 
+from eagle.algorithms.head_io import (
+    build_head,
+    head_config_from_target,
+    load_head,
+    read_head_extra,
+    save_head,
+)
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
-from eagle.heads import build_head, head_config_from_target, load_head, read_head_extra, save_head
 from eagle.heads.base import HeadConfig
 from eagle.heads.layers import Attention, RotaryEmbedding, causal_mask, fuse_for_inference, fuse_linears
 from eagle.heads.vocab import count_tokens

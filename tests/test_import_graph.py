@@ -40,9 +40,9 @@ LAYERS: list[set[str]] = [
     {"config", "fileio", "assets", "precision", "artifacts", "cpu_gemm"},  # leaves: names, typed config, files
     {"targets", "tracking"},  # the frozen target (load, facts); metric sinks
     {"shard"},  # target.shard: the frozen target as FSDP2 shards over the processes
-    {"heads"},  # draft-head modules
-    {"algorithms"},  # per algorithm: feature spec, loss, export names (registry by name)
-    {"decode"},  # tree speculative decoding, continuous batching
+    {"heads"},  # what every draft head is built from: the DraftHead interface, layers, vocab maps
+    {"decode"},  # tree speculative decoding, continuous batching (drives heads through DraftHead)
+    {"algorithms"},  # one package per algorithm (head, loss, drafting step, export names); the registry
     {"data"},  # conversations, templates, self-distillation (generates with `decode`)
     {"capture"},  # target features on disk
     {"train"},

@@ -133,9 +133,9 @@ def test_forward_loss_on_loss_positions_equals_the_dense_reference(algorithm):
     the objective, per-step sums and gradients equal the plain reference over dense [B, T, V] logits."""
     from eagle.algorithms import get_algorithm
     from eagle.algorithms.base import LossSettings, aligned_inputs
+    from eagle.algorithms.head_io import build_head, head_config_from_target
     from eagle.algorithms.ttt import ttt_forward
     from eagle.config import DraftConfig
-    from eagle.heads import build_head, head_config_from_target
     from tests.tiny_models import make_model
 
     model, _ = make_model("llama")

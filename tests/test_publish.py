@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
+from eagle.algorithms.head_io import build_head, head_config_from_target, save_head
 from eagle.cli.app import compose, save_resolved_config
 from eagle.config import DraftConfig
 from eagle.errors import EagleError
 from eagle.export import check_folder
 from eagle.export.publish import PublishError, run_publish
-from eagle.heads.io import build_head, head_config_from_target, save_head
 from tests.tiny_models import make_model
 
 SECRET = "hf_SECRETtoken1234567890abcdef"

@@ -10,7 +10,7 @@ from eagle.config import ConfigError
 from eagle.decode.accept import process_logits, speculative_sampling_reference, walk_tree_sampled
 from eagle.decode.autotree import choose_chain_length, expected_chain_tokens
 from eagle.decode.cache import cache_length
-from eagle.decode.draft import draft_sampled_chain, head_commit
+from eagle.decode.draft import draft_sampled_chain
 from eagle.decode.lookup import LookupStats
 from eagle.decode.target import new_cache
 from tests.support.decode import random_head
@@ -95,7 +95,7 @@ def test_chain_laws_are_the_heads_own_at_each_node():
     temp, top_k, top_p = 0.8, 20, 0.9
     cache = new_cache()
     with torch.inference_mode():
-        root_hidden = head_commit(head, cache, prompt, feats, torch.arange(1, 7))
+        root_hidden = head.commit(cache, prompt, feats, torch.arange(0, 6))
         tree = draft_sampled_chain(head, cache, int(prompt[-1]), root_hidden, 6, 3, temp, top_k, top_p,
                                    generator=torch.Generator().manual_seed(1))
         assert cache_length(cache) == 6  # drafted entries cropped

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.config import ConfigError, DraftConfig
-from eagle.heads import build_head, head_config_from_target
 from eagle.heads.target_layer import copy_target_layer, pick_target_layer, target_decoder_layers
 from tests.tiny_models import FAMILIES, LAYERS, make_model
 

@@ -189,10 +189,10 @@ def test_bundled_smollm2_conversion_is_a_dense_checkpoint_equal_to_the_gguf(smol
 
 def test_aux_layer_ids_have_one_valid_range_everywhere():
     """Config, capture and head loading refuse the same ids: each must be the input of a decoder layer."""
+    from eagle.algorithms.head_io import check_head_fits_target, head_config_from_target
     from eagle.capture.features import check_layer_ids
     from eagle.config import ConfigError, DraftConfig
     from eagle.errors import CaptureError, CheckpointError
-    from eagle.heads.io import check_head_fits_target, head_config_from_target
     from eagle.targets import aux_layer_problem
     from tests.tiny_models import make_model
 

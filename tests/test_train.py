@@ -110,9 +110,9 @@ def test_loss_falls_on_a_fixed_batch(fam, algorithm):
     """Overfit one batch for 60 AdamW steps: the loss above its floor (the target's entropy) must
     halve, and the head's top-1 must agree with the target's on most positions."""
     from eagle.algorithms import LossSettings, get_algorithm
+    from eagle.algorithms.head_io import build_head, head_config_from_target
     from eagle.capture.features import extract_features
     from eagle.config import DraftConfig
-    from eagle.heads.io import build_head, head_config_from_target
 
     model, tok = make_model(fam)
     texts = [_CORPUS[1], _CORPUS[3] + _CORPUS[0]]
@@ -250,8 +250,8 @@ def test_micro_slices_partition_the_global_batch():
 
 # --------------------------------------------------------------------------------------- training runs
 def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
+    from eagle.algorithms.head_io import load_head, read_head_extra
     from eagle.artifacts import resolve_draft_path as resolve_head_dir
-    from eagle.heads.io import load_head, read_head_extra
     from eagle.targets import load_target
     from eagle.train.trainer import format_result, train
 
@@ -626,7 +626,7 @@ def test_schedule_over_minutes_needs_a_budget(ws3, tmp_path):
 
 
 def test_eagle31_head_trains_and_its_checkpoint_loads_with_the_options(ws3, tmp_path):
-    from eagle.heads.io import load_head
+    from eagle.algorithms.head_io import load_head
     from eagle.train.trainer import train
 
     result = train(ws3.cfg(tmp_path / "o", steps=6, draft__fc_norm=True, draft__norm_output=True))
@@ -639,10 +639,10 @@ def test_init_from_starts_where_the_given_head_ended_and_refuses_another_shape(w
     """train.init_from (saved head, or an exported folder through the CLI's loader) sets the initial
     weights: the new run's step-0 held-out eval equals the source's last eval; a resumed run keeps its
     checkpoint; a head of another shape is refused naming the field."""
+    from eagle.algorithms.head_io import load_head
     from eagle.config import ConfigError
     from eagle.export.exporter import export_head
     from eagle.export.loader import load_draft
-    from eagle.heads.io import load_head
     from eagle.train.trainer import TrainHooks, train
 
     first = train(ws3.cfg(tmp_path / "a", steps=6))
@@ -670,8 +670,8 @@ def test_init_from_starts_where_the_given_head_ended_and_refuses_another_shape(w
 def test_init_layer_from_target_is_the_head_training_starts_from(ws3, tmp_path, capsys):
     """train.init_layer_from_target: the head the loop trains starts with the target layer's weights
     (a 1-step run at a vanishing learning rate keeps them), and it cannot be combined with init_from."""
+    from eagle.algorithms.head_io import load_head
     from eagle.config import ConfigError
-    from eagle.heads.io import load_head
     from eagle.targets import load_target
     from eagle.train.trainer import train
 
@@ -694,8 +694,8 @@ def test_freeze_lm_head_trains_everything_but_the_lm_head(ws3, tmp_path):
     """train.freeze_lm_head: after real updates the head's lm_head is still the target's LM-head rows
     of the draft vocabulary while the rest moved; flipping the option on resume is another trajectory
     (refused); EAGLE-1, which has no LM head of its own, is refused at config time."""
+    from eagle.algorithms.head_io import load_head
     from eagle.config import ConfigError
-    from eagle.heads.io import load_head
     from eagle.targets import load_target
     from eagle.train.trainer import train
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.algorithms.ttt import reference_ttt_mask, ttt_forward, ttt_mask, ttt_position_ids
 from eagle.config import DraftConfig
-from eagle.heads import build_head, head_config_from_target
 from tests.tiny_models import make_model
 
 

@@ -1,17 +1,23 @@
-"""Draft algorithms by name: `get_algorithm("eagle3")` -> the `Algorithm` that owns its feature spec,
-loss and export names (`eagle.algorithms.base`); one module per algorithm (eagle1.py, eagle3.py).
+"""Draft algorithms, one package each, registered here by name.
 
-Adding a variant: a head class in `eagle.heads` (registered with `register_head`), an `Algorithm`
-subclass here, and a line in ALGORITHMS.
+`eagle/algorithms/<name>/` holds everything one algorithm is: its head module (`head.py`), its
+`Algorithm` (`algorithm.py`: the target features it reads, how a batch becomes its loss, how its
+head is named and described in each export format, the config it refuses), and, for a head that
+drafts a block in one pass, its drafting step (`drafting.py`, reached by the decoder through
+`DraftHead.draft_block`). The shared pieces sit beside them: `base` (the `Algorithm` interface),
+`losses` / `objectives` / `ttt` (training maths), `head_io` (build, save, load a head by name).
+
+Adding an algorithm: its folder, and one line in `ALGORITHMS` below. Nothing else compares
+algorithm names: the config, the trainer, the decoder and the exporters ask the registered object.
 """
 
 from __future__ import annotations
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings
-from eagle.algorithms.dflash import DFlash
-from eagle.algorithms.eagle1 import Eagle1
-from eagle.algorithms.eagle3 import Eagle3
-from eagle.config import ConfigError
+from eagle.algorithms.dflash.algorithm import DFlash
+from eagle.algorithms.eagle1.algorithm import Eagle1
+from eagle.algorithms.eagle3.algorithm import Eagle3
+from eagle.config import ConfigError, RootConfig
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (Eagle1(), Eagle3(), DFlash())}
 
@@ -24,4 +30,10 @@ def get_algorithm(name: str) -> Algorithm:
         raise ConfigError(f"draft.algorithm={name!r} is not one of {', '.join(ALGORITHMS)}") from None
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "LossParts", "LossSettings", "get_algorithm"]
+def check_config(cfg: RootConfig) -> RootConfig:
+    """Refuse, at start, a run whose settings the chosen algorithm cannot honour (naming the key)."""
+    get_algorithm(cfg.draft.algorithm).check_config(cfg)
+    return cfg
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "LossParts", "LossSettings", "check_config", "get_algorithm"]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms.losses import eagle3_loss_packed, shift_left, step_loss_mask
-from eagle.config import DraftConfig, TrainConfig
+from eagle.config import ConfigError, DraftConfig, RootConfig, TrainConfig
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
 
@@ -140,6 +140,24 @@ class Algorithm(ABC):
     vllm_method: ClassVar[str]
     sglang_algorithm: ClassVar[str]
     extra_metrics: ClassVar[tuple[str, ...]] = ()  # keys of LossParts.extra, weighted per step-0 token
+    # Training options it takes: the LK losses (train.loss != ce) need a token law per position to
+    # compare with the target's; train.freeze_lm_head needs an LM head of the head's own.
+    takes_lk_losses: ClassVar[bool] = True
+    owns_lm_head: ClassVar[bool] = False
+
+    # --- config --------------------------------------------------------------------------------
+    def check_config(self, cfg: RootConfig) -> None:
+        """Refuse settings this algorithm cannot honour, naming the key (`eagle.algorithms.check_config`)."""
+        t, name = cfg.train, self.name
+        if t.position_weights == "dpace" and not self.head_class.drafts_block:
+            raise ConfigError(f"train.position_weights=dpace weighs the positions of a drafted block; draft.algorithm="
+                              f"{name} unrolls one token at a time: use auto, uniform or decay")
+        if t.loss != "ce" and not self.takes_lk_losses:
+            raise ConfigError(f"train.loss={t.loss}: {self.title} trains a feature regression beside its token loss; "
+                              "the LK losses are for algorithms that draft from a token law (or train.loss=ce)")
+        if t.freeze_lm_head and not self.owns_lm_head:
+            raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={name} has no LM head of its own (it reads "
+                              "the target's, which is never trained); drop the option")
 
     # --- feature spec --------------------------------------------------------------------------
     @property

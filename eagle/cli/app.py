@@ -41,6 +41,14 @@ def conf_dir() -> Path:
     return path
 
 
+def validated(raw: Any) -> RootConfig:
+    """The composed config as a `RootConfig`: the schema's checks, then the chosen draft algorithm's."""
+    # startup: eagle.algorithms loads torch; only a run that got this far needs it
+    from eagle.algorithms import check_config
+
+    return check_config(to_root_config(raw))
+
+
 def compose(overrides: Sequence[str] = ()) -> RootConfig:
     """Compose and validate the config as an entry point would (for tests and notebooks)."""
     register_configs()
@@ -48,7 +56,7 @@ def compose(overrides: Sequence[str] = ()) -> RootConfig:
     GlobalHydra.instance().clear()
     with hydra.initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra.compose(config_name="config", overrides=list(overrides))
-    return to_root_config(cfg)
+    return validated(cfg)
 
 
 def save_resolved_config(cfg: RootConfig, stage: str) -> Path:
@@ -120,7 +128,7 @@ def _run_stage(stage: str, stage_fn: Callable[[RootConfig], Any], raw: Any) -> A
             raw.output_dir = job.output_dir
     started = time.perf_counter()
     try:
-        cfg = to_root_config(raw)
+        cfg = validated(raw)
         with _config_kept_on_refusal(cfg, stage):
             result = stage_fn(cfg)
     except (EagleError, OSError) as e:

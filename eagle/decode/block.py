@@ -1,9 +1,5 @@
-"""Drafting with a block drafter (DFlash): one head pass gives the law of every block position.
-
-The head's cache holds the fused target context of every committed token (`DFlashContextCache`); a
-step runs the block [root, MASK, ..., MASK] at positions root_position .. root_position + Q - 1 over
-that context and itself, and block position j >= 1 gives q_j, the head's law of the token j after the
-root. Nothing of the block is cached. From the Q - 1 laws the decoder verifies:
+"""Verifying a block drafter's laws (DFlash, P-EAGLE): one head pass (`DraftHead.draft_block`) gives
+the law q_j of every block position j = 1..D after the root; from them the decoder verifies
   - a chain of each position's top-1 (greedy) or of draws from q_j (sampled, kept with q_j for
     speculative sampling: each q_j is fixed before the target's draws, so the walk stays lossless);
   - a tree: position j's top-k as the children of each kept depth-(j-1) node, kept by cumulative
@@ -17,19 +13,6 @@ import torch
 from eagle.decode.accept import process_logits, sample_index
 from eagle.decode.draft import DraftPool
 from eagle.decode.tree import Tree, chain_tree
-from eagle.heads.base import DraftHead
-
-
-@torch.inference_mode()
-def block_log_probs(head: DraftHead, cache, root_token: int, root_position: int) -> torch.Tensor:
-    """[Q - 1, V] log-probabilities of the block_size - 1 tokens after the root."""
-    q_len = head.config.block_size
-    device = next(head.parameters()).device
-    ids = torch.full((1, q_len), head.config.mask_token_id, dtype=torch.long, device=device)
-    ids[0, 0] = root_token
-    pos = torch.arange(root_position, root_position + q_len, device=device)[None]  # [1, Q]
-    out = head(ids, None, pos, attention_mask=None, past_key_values=cache)  # [1, Q, H]
-    return torch.log_softmax(head.logits(out[:, 1:])[0].float(), dim=-1)  # [Q - 1, V]
 
 
 def sampled_chain(log_probs: torch.Tensor, root_token: int, temperature: float, top_k: int = 0, top_p: float = 1.0,

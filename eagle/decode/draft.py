@@ -1,7 +1,7 @@
 """Drafting a tree with the head over its own KV cache.
 
-The head's cache holds one entry per committed pair (token x_{t+1}, target feature f_t) — see
-`eagle.heads.base` for the alignment. The last committed entry is the root (the newest accepted
+The head's cache holds one entry per committed pair (token x_{t+1}, target feature f_t), appended by
+`DraftHead.commit` — see `eagle.heads.base` for the alignment. The last committed entry is the root (the newest accepted
 token); its output hidden state `root_hidden` predicts the root's children. Each further depth level
 feeds the current frontier nodes (token, their parent's output hidden) in one head forward, where each
 frontier node attends to the committed prefix, its drafted ancestors and itself. Draft entries are
@@ -29,19 +29,6 @@ class DraftPool:
     parents: torch.Tensor  # [M] pool index of the parent, -1 = the root
     scores: torch.Tensor  # [M] cumulative draft log-probability
     depths: torch.Tensor  # [M] 1 for the root's children
-
-
-def head_commit(
-    head: DraftHead,
-    cache,
-    tokens: torch.Tensor,  # [T] target ids x_{t+1}
-    features: torch.Tensor,  # [T, k, H_target] target features f_t
-    positions: torch.Tensor,  # [T] positions of `tokens`
-) -> torch.Tensor:
-    """Append T committed entries to the head cache; return the last output hidden [H]."""
-    hidden = head.project_features(features[None])  # [1, T, H]
-    out = head(tokens[None], hidden, positions[None], attention_mask=None, past_key_values=cache)  # [1, T, H]
-    return out[0, -1]
 
 
 def _log_probs(head: DraftHead, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,13 +38,12 @@ from eagle.decode.autotree import (
     time_verify_passes,
     verify_time,
 )
-from eagle.decode.block import block_log_probs, block_pool, sampled_chain
+from eagle.decode.block import block_pool, sampled_chain
 from eagle.decode.cache import keep_cache_entries
 from eagle.decode.draft import (
     draft_pool,
     draft_sampled_chain,
     draft_static,
-    head_commit,
     tree_from_pool,
     uses_sampled_drafts,
 )
@@ -120,7 +119,7 @@ class SpeculativeGenerator:
         self.eos = eos_ids(tokenizer, target)
         self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
         self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
-        self.block = head.drafts_block  # one pass drafts every depth (eagle.decode.block)
+        self.block = head.drafts_block  # one pass drafts every depth (DraftHead.draft_block, eagle.decode.block)
         if self.block and self.static is not None:
             raise EagleError(f"decode.tree=static fills a tree level by level from an autoregressive head; a "
                              f"{head.config.algorithm} head drafts a block at once: use decode.tree=auto or dynamic")
@@ -191,7 +190,7 @@ class SpeculativeGenerator:
     def _draft(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int):
         c = self.cfg
         if self.block:
-            return self._draft_block(head_cache, root, root_pos)
+            return self._draft_block(head_cache, root, root_hidden, root_pos)
         if self.sampled:
             depth = c.tree_depth
             if c.tree == "auto":
@@ -212,10 +211,11 @@ class SpeculativeGenerator:
                           min_gain=self._auto.min_level_gain())
         return self._auto_tree(pool, root)
 
-    def _draft_block(self, head_cache, root: int, root_pos: int) -> Tree:
+    def _draft_block(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int) -> Tree:
         """One head pass gives every block position's law; a sampled chain, or a tree of their top-k."""
         c = self.cfg
-        log_probs = block_log_probs(self.head, head_cache, root, root_pos)  # [Q - 1, V]
+        with torch.inference_mode():
+            log_probs = self.head.draft_block(head_cache, root, root_hidden, root_pos)  # [D, V_draft]
         if self.sampled:
             return sampled_chain(log_probs, root, c.temperature, c.top_k, c.top_p, generator=self.rng)
         pool = block_pool(log_probs, min(c.tree_top_k, log_probs.shape[-1]))
@@ -263,11 +263,8 @@ class SpeculativeGenerator:
                 ) -> torch.Tensor | None:
         """The head reads the verified tokens' target features [T, k, Ht] at their positions [T] (each
         token of `tokens` [T] is the one after them); returns the hidden state that drafts next (EAGLE),
-        or None for a block drafter, which keeps only the context."""
-        if self.block:
-            self.head.commit(hcache, features, positions)
-            return None
-        return head_commit(self.head, hcache, tokens, features, positions + 1)
+        or None for a head that keeps only the context (DFlash)."""
+        return self.head.commit(hcache, tokens, features, positions)
 
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
@@ -286,7 +283,7 @@ class SpeculativeGenerator:
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
         stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
-        tcache, hcache = new_cache(), (self.head.new_cache() if self.block else new_cache())
+        tcache, hcache = new_cache(), self.head.new_draft_cache()
         n = prompt.numel()
         lookup = None
 

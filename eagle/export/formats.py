@@ -53,7 +53,7 @@ from eagle.algorithms import ALGORITHMS, Algorithm, get_algorithm
 from eagle.artifacts import EXPORT_CONFIG, HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError
 from eagle.errors import ExportError
-from eagle.heads.base import HEADS, HeadConfig
+from eagle.heads.base import HeadConfig
 from eagle.targets import default_aux_layer_ids
 
 FORMATS = ("vllm", "sglang", "speculators", "hf", "llamacpp")
@@ -96,7 +96,7 @@ def expected_tensors(cfg: HeadConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         # A third-party folder without aux ids: the tensor shapes depend only on how many there are.
         cfg = dataclasses.replace(cfg, aux_layer_ids=list(range(algo.num_aux_layers)))
     with torch.device("meta"):
-        head = HEADS[cfg.algorithm](cfg)
+        head = get_algorithm(cfg.algorithm).head_class(cfg)
     return {name: (tuple(t.shape), tensor_kind(t)) for name, t in head.trainable_state_dict().items()}
 
 

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from eagle.algorithms import get_algorithm
+from eagle.algorithms.head_io import check_head_fits_target, load_head
 from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.errors import CheckpointError, ExportError
 from eagle.export.formats import algorithm_of
 from eagle.export.validate import check_folder
-from eagle.heads.base import HEADS, DraftHead
-from eagle.heads.io import check_head_fits_target, load_head
+from eagle.heads.base import DraftHead
 from eagle.targets import text_config
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def load_exported_head(folder: str | Path, target_model: Any, map_location: str 
         check_head_fits_target(cfg, target_model)
     except CheckpointError as e:
         raise ExportError(f"{folder}: {e}") from e
-    head = HEADS[cfg.algorithm](cfg)
+    head = get_algorithm(cfg.algorithm).head_class(cfg)
     state = dict(head_data.tensors)
     own = head.trainable_state_dict()
     # What the folder's format may leave out (vLLM's EAGLE-1 fc bias, a full vocabulary's maps).

@@ -1,34 +1,11 @@
-"""Draft heads: one implementation per algorithm (EAGLE-1, EAGLE-3), sized by the target config.
+"""What every draft head is built from: the `DraftHead` interface and `HeadConfig` (`base`), the
+decoder layer, norms and RoPE (`layers`), the reduced draft vocabulary (`vocab`), starting a layer
+from the target's (`target_layer`) and int8 decoding copies (`quantize`).
 
-Importing this package is cheap and side-effect free; the public API:
-    HeadConfig, DraftHead                       (eagle.heads.base)
-    Eagle1Head, Eagle3Head
-    head_config_from_target, build_head, save_head, load_head, check_head_fits_target (eagle.heads.io)
+Each algorithm's own head lives with the algorithm (`eagle.algorithms.<name>.head`); building,
+saving and loading a head by its algorithm name is `eagle.algorithms.head_io`.
 """
 
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.eagle1 import Eagle1Head
-from eagle.heads.eagle3 import Eagle3Head
-from eagle.heads.io import (
-    build_head,
-    check_head_fits_target,
-    head_config_from_target,
-    load_head,
-    read_head_config,
-    read_head_extra,
-    save_head,
-)
 
-__all__ = [
-    "DraftHead",
-    "Eagle1Head",
-    "Eagle3Head",
-    "HeadConfig",
-    "build_head",
-    "check_head_fits_target",
-    "head_config_from_target",
-    "load_head",
-    "read_head_config",
-    "read_head_extra",
-    "save_head",
-]
+__all__ = ["DraftHead", "HeadConfig"]

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from eagle.config import ConfigError
 
@@ -91,8 +92,9 @@ class DraftHead(nn.Module, ABC):
     algorithm: ClassVar[str]  # the `draft.algorithm` / `HeadConfig.algorithm` name it is registered under
     num_aux_layers: ClassVar[int] = 0
     reduced_vocab: ClassVar[bool] = False
-    # Drafts a whole block in one pass over a context of target features (DFlash) instead of one
-    # token per forward over its own previous outputs (EAGLE); the decoder drafts with `eagle.decode.block`.
+    # Drafts a whole block in one pass (DFlash, P-EAGLE: `draft_block`) instead of one token per
+    # forward over its own previous outputs (EAGLE: the decoder expands a tree level by level,
+    # `eagle.decode.draft`).
     drafts_block: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig) -> None:
@@ -155,20 +157,29 @@ class DraftHead(nn.Module, ABC):
             return draft_ids
         return draft_ids + d2t[draft_ids]
 
+    # --- decoding: the drafting step the decoder drives (`eagle.decode.generator`) ----------------
+    def new_draft_cache(self) -> Any:
+        """An empty decode-time cache for this head (a `transformers.Cache` of its own K/V by default)."""
+        return DynamicCache()
+
+    def commit(self, cache: Any, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+               ) -> torch.Tensor | None:
+        """Append verified entries to the decode cache: target features [T, k, Ht] at `positions` [T],
+        each with the token after it `tokens` [T]. Returns the output hidden [H] of the last entry, the
+        input that drafts the next step (EAGLE), or None for a head that keeps only the context."""
+        hidden = self.project_features(features[None])  # [1, T, H]
+        out = self(tokens[None], hidden, (positions + 1)[None], attention_mask=None, past_key_values=cache)
+        return out[0, -1]  # [H]
+
+    def draft_block(self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
+                    ) -> torch.Tensor:
+        """A block drafter's one pass: [D, V_draft] log-probabilities of the D tokens after the root (the
+        newest accepted token, at `root_position`; `root_hidden` is what `commit` returned)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one token per forward (drafts_block is False)")
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own weights (and vocab maps), without anything borrowed from the target."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}
-
-
-HEADS: dict[str, type[DraftHead]] = {}
-
-
-def register_head(cls: type[DraftHead]) -> type[DraftHead]:
-    """Class decorator: make `cls` buildable and loadable by its `algorithm` name."""
-    if cls.algorithm in HEADS and HEADS[cls.algorithm] is not cls:
-        raise ValueError(f"two draft heads registered as {cls.algorithm!r}: {HEADS[cls.algorithm]} and {cls}")
-    HEADS[cls.algorithm] = cls
-    return cls
 
 
 class BorrowsTargetOutput:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle.algorithms.head_io import save_head
 from eagle.artifacts import (
     BEST,
     CHECKPOINTS,
@@ -43,7 +44,6 @@ from eagle.artifacts import (
 from eagle.artifacts import checkpoint_step as _step_of
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_dir, atomic_write_text, publish_dir
-from eagle.heads.io import save_head
 
 FORMAT_VERSION = 1
 

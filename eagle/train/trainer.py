@@ -47,13 +47,13 @@ from accelerate.utils import gather_object
 from torch import nn
 
 from eagle.algorithms import LossParts, LossSettings, get_algorithm
+from eagle.algorithms.head_io import build_head, head_config_from_target, load_head
 from eagle.artifacts import resolve_draft
 from eagle.capture.reader import check_compatible, read_manifest
 from eagle.config import ConfigError, RootConfig
 from eagle.data.dataset import build_splits
 from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
-from eagle.heads.io import build_head, head_config_from_target, load_head
 from eagle.heads.target_layer import pick_target_layer
 from eagle.shard import gathered, load_placed_target
 from eagle.tracking import Tracker

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.config import DecodeConfig, DraftConfig
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.io import build_head, head_config_from_target
 
 
 def random_head(target: Any, algorithm: str, draft_vocab_size: int | None = None, seed: int = 0,

@@ -16,12 +16,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig, register_head
+from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig
 from eagle.heads.layers import DecoderLayer, RotaryEmbedding
 from eagle.heads.target_layer import copy_target_layer
 
 
-@register_head
 class Eagle1Head(BorrowsTargetOutput, DraftHead):
     """The EAGLE-1 head; token embeddings and LM head borrowed from the target."""
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from eagle.config import ConfigError
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig, register_head
+from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
 from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from eagle.heads.target_layer import copy_target_layer, effective_gain, target_final_norm
 from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
@@ -31,7 +31,6 @@ from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_i
 log = logging.getLogger(__name__)
 
 
-@register_head
 class Eagle3Head(DraftHead):
     """The EAGLE-3 head; sizes from `HeadConfig`, token embeddings borrowed from the target."""
 

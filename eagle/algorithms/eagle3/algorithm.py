@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
+from eagle.algorithms.eagle3.head import Eagle3Head
 from eagle.algorithms.losses import packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.eagle3 import Eagle3Head
 
 _SPECULATORS_PREFIX, _OURS_PREFIX = "layers.0.", "midlayer."
 
@@ -29,6 +29,7 @@ class Eagle3(Algorithm):
     name: ClassVar[str] = Eagle3Head.algorithm
     title: ClassVar[str] = "EAGLE-3"
     head_class: ClassVar[type[DraftHead]] = Eagle3Head
+    owns_lm_head: ClassVar[bool] = True
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "speculators", "hf", "llamacpp")
     # llamacpp: the vLLM folder, which llama.cpp's converter reads under this name (conversion/llama.py).
     architectures: ClassVar[dict[str, str]] = {"vllm": "LlamaForCausalLMEagle3", "sglang": "LlamaForCausalLMEagle3",

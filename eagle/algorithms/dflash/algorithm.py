@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, token_norms
+from eagle.algorithms.dflash.head import DFlashHead
 from eagle.algorithms.objectives import dpace_weights, position_weights, token_losses
 from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.dflash import DFlashHead
 
 
 def choose_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, count: int,

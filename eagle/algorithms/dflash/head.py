@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig, register_head
+from eagle.algorithms.dflash.drafting import block_log_probs
+from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig
 from eagle.heads.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -122,7 +123,6 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@register_head
 class DFlashHead(BorrowsTargetOutput, DraftHead):
     """The DFlash head; token embeddings and LM head borrowed from the target, sizes from `HeadConfig`
     (`num_layers` draft layers, `block_size` tokens a pass, `mask_token_id` filling the block)."""
@@ -163,15 +163,22 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
         cos, sin = self.rotary_emb(positions, context.dtype)
         return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
 
-    def new_cache(self) -> DFlashContextCache:
-        """An empty decode-time context cache for this head."""
+    # --- decoding (`DraftHead`): the cache holds the context only; a block is never cached ------
+    def new_draft_cache(self) -> DFlashContextCache:
         return DFlashContextCache(len(self.layers))
 
-    def commit(self, cache: DFlashContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed tokens' target features [S, k, Ht] at `positions` [S] to the decode cache."""
+    def commit(self, cache: DFlashContextCache, tokens: torch.Tensor, features: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """Append committed target features [S, k, Ht] at `positions` [S] to the context (the tokens
+        after them are not read: a block starts from its own anchor)."""
         context = self.project_features(features[None])  # [1, S, H]
         for i, (k, v) in enumerate(self.context_kv(context, positions[None])):
             cache.append(i, k, v)
+        return None
+
+    def draft_block(self, cache: DFlashContextCache, root_token: int, root_hidden: torch.Tensor | None,
+                    root_position: int) -> torch.Tensor:
+        return block_log_probs(self, cache, root_token, root_position)  # [Q - 1, V]
 
     def forward(
         self,

@@ -17,12 +17,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from eagle.algorithms import ALGORITHMS, get_algorithm
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_write_bytes, atomic_write_text, safetensors_bytes
-from eagle.heads import dflash, eagle1, eagle3  # noqa: F401  (register the head classes)
-from eagle.heads.base import HEADS, DraftHead, HeadConfig
+from eagle.heads.base import DraftHead, HeadConfig
 from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,7 @@ def head_config_from_target(
     """
     text = text_config(target_config)
     algo = draft_cfg.algorithm
-    if algo not in HEADS:
-        raise ConfigError(f"draft.algorithm={algo!r} is not one of {', '.join(HEADS)}")
-    head_cls = HEADS[algo]
+    head_cls = get_algorithm(algo).head_class
     hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
     n_heads = text.num_attention_heads
     n_kv = getattr(text, "num_key_value_heads", None) or n_heads
@@ -152,11 +150,9 @@ def build_head(
     draft vocabulary (`DraftHead.init_from_target`). With a `target_model` the head is attached to
     it (embeddings, EAGLE-1's LM head).
     """
-    if head_cfg.algorithm not in HEADS:
-        raise ConfigError(f"unknown draft algorithm {head_cfg.algorithm!r}; known: {', '.join(HEADS)}")
     if target_model is not None:
         check_head_fits_target(head_cfg, target_model)
-    head = HEADS[head_cfg.algorithm](head_cfg)
+    head = get_algorithm(head_cfg.algorithm).head_class(head_cfg)
     head.init_from_target(target_model, vocab_counts, special_ids)
     if target_model is not None:
         head.attach_target(target_model)
@@ -190,8 +186,8 @@ def read_head_config(folder: Path) -> HeadConfig:
         cfg = HeadConfig.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path} is not a valid head config: {e}") from e
-    if cfg.algorithm not in HEADS:
-        raise CheckpointError(f"{path}: algorithm={cfg.algorithm!r} is not one of {', '.join(HEADS)}")
+    if cfg.algorithm not in ALGORITHMS:
+        raise CheckpointError(f"{path}: algorithm={cfg.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     return cfg
 
 
@@ -229,7 +225,7 @@ def load_head(
         raise CheckpointError(f"cannot read {weights}: {e}") from e
     if target_model is not None:
         check_head_fits_target(cfg, target_model)
-    head = HEADS[cfg.algorithm](cfg)
+    head = ALGORITHMS[cfg.algorithm].head_class(cfg)
     expected = head.trainable_state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -23,18 +23,19 @@ from eagle.algorithms.base import (
     token_norms,
     unrolled_soft_ce,
 )
+from eagle.algorithms.eagle1.head import Eagle1Head
 from eagle.algorithms.losses import add_feature_noise, eagle1_loss, packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
 from eagle.config import DraftConfig, TrainConfig
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.heads.eagle1 import Eagle1Head
 
 
 class Eagle1(Algorithm):
     name: ClassVar[str] = Eagle1Head.algorithm
     title: ClassVar[str] = "EAGLE-1"
     head_class: ClassVar[type[DraftHead]] = Eagle1Head
+    takes_lk_losses: ClassVar[bool] = False  # its loss is a feature regression plus a token loss
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "hf")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "speculators 0.9.0 has no EAGLE-1 model (it registers eagle3, peagle, dflash, dflash2, "
