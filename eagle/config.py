@@ -163,6 +163,9 @@ class DraftConfig:
     block_size: int = 16
     num_layers: int = 1
     mask_token_id: int | None = None
+    # P-EAGLE: tokens one pass drafts (the root's own output, then parallel_tokens - 1 mask slots; vLLM's
+    # num_speculative_tokens with parallel_drafting). mask_token_id fills the slots, as for DFlash.
+    parallel_tokens: int = 8
 
 
 @dataclass
@@ -217,6 +220,10 @@ class TrainConfig:
     position_weights: str = "auto"
     position_gamma: float = 7.0  # decay: DFlash's gamma (7 for block size 16, 5 for 10, 4 for 8)
     anchors_per_sequence: int = 64  # block drafters: anchors (blocks) trained per sequence in one pass
+    # P-EAGLE's subsampling of the parallel slots: an anchor keeps slot j with probability
+    # max(cod_ratio^j, cod_floor), its kept slots always a prefix (so each sees the slots before it).
+    cod_ratio: float = 0.7
+    cod_floor: float = 0.2
     ttt_decay: float = 0.8  # EAGLE-3 per-step loss decay
     feature_loss_weight: float = 1.0  # EAGLE-1 smooth-L1 weight
     token_loss_weight: float = 0.1  # EAGLE-1 cross-entropy weight
@@ -418,6 +425,9 @@ def validate(cfg: RootConfig) -> RootConfig:
     if cfg.draft.block_size < 2:
         raise ConfigError(f"draft.block_size={cfg.draft.block_size} must be >= 2 (the anchor and at least one draft)")
     _positive("draft.num_layers", cfg.draft.num_layers)
+    if cfg.draft.parallel_tokens < 2:
+        raise ConfigError(f"draft.parallel_tokens={cfg.draft.parallel_tokens} must be >= 2 (the root's own draft "
+                          "and at least one parallel slot)")
     if cfg.draft.mask_token_id is not None and cfg.draft.mask_token_id < 0:
         raise ConfigError(f"draft.mask_token_id={cfg.draft.mask_token_id} must be a token id >= 0 (or null)")
     t = cfg.train
@@ -442,6 +452,9 @@ def validate(cfg: RootConfig) -> RootConfig:
     _choice("train.position_weights", t.position_weights, POSITION_WEIGHTS)
     _positive("train.position_gamma", t.position_gamma)
     _positive("train.anchors_per_sequence", t.anchors_per_sequence)
+    for name in ("cod_ratio", "cod_floor"):
+        if not 0.0 < getattr(t, name) <= 1.0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be in (0, 1]")
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     if t.init_layer_from_target is not None and t.init_from:

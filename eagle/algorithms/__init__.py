@@ -17,9 +17,10 @@ from eagle.algorithms.base import Algorithm, LossParts, LossSettings
 from eagle.algorithms.dflash.algorithm import DFlash
 from eagle.algorithms.eagle1.algorithm import Eagle1
 from eagle.algorithms.eagle3.algorithm import Eagle3
+from eagle.algorithms.peagle.algorithm import PEagle
 from eagle.config import ConfigError, RootConfig
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (Eagle1(), Eagle3(), DFlash())}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (Eagle1(), Eagle3(), DFlash(), PEagle())}
 
 
 def get_algorithm(name: str) -> Algorithm:

@@ -66,6 +66,8 @@ class LossSettings:
     position_gamma: float = 7.0
     anchors: int = 0  # block drafters: anchors per sequence
     block_size: int = 1  # block drafters: tokens a pass fills
+    cod_ratio: float = 0.7  # P-EAGLE: slot j kept with probability max(cod_ratio^j, cod_floor)
+    cod_floor: float = 0.2
 
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -138,26 +140,38 @@ class Algorithm(ABC):
     known_architectures: ClassVar[tuple[str, ...]]
     speculators_model_type: ClassVar[str | None] = None  # None: no speculators format
     vllm_method: ClassVar[str]
+    vllm_options: ClassVar[dict[str, Any]] = {}  # more of vLLM's speculative_config (P-EAGLE: parallel_drafting)
     sglang_algorithm: ClassVar[str]
     extra_metrics: ClassVar[tuple[str, ...]] = ()  # keys of LossParts.extra, weighted per step-0 token
     # Training options it takes: the LK losses (train.loss != ce) need a token law per position to
     # compare with the target's; train.freeze_lm_head needs an LM head of the head's own.
     takes_lk_losses: ClassVar[bool] = True
     owns_lm_head: ClassVar[bool] = False
+    takes_dpace: ClassVar[bool] = False  # train.position_weights=dpace: per-token weights within a block
 
     # --- config --------------------------------------------------------------------------------
     def check_config(self, cfg: RootConfig) -> None:
         """Refuse settings this algorithm cannot honour, naming the key (`eagle.algorithms.check_config`)."""
         t, name = cfg.train, self.name
-        if t.position_weights == "dpace" and not self.head_class.drafts_block:
-            raise ConfigError(f"train.position_weights=dpace weighs the positions of a drafted block; draft.algorithm="
-                              f"{name} unrolls one token at a time: use auto, uniform or decay")
+        if t.position_weights == "dpace" and not self.takes_dpace:
+            raise ConfigError(f"train.position_weights=dpace weighs the positions of a DFlash block by the head's "
+                              f"confidence; draft.algorithm={name} weighs its steps by depth: use auto, uniform or "
+                              "decay")
         if t.loss != "ce" and not self.takes_lk_losses:
             raise ConfigError(f"train.loss={t.loss}: {self.title} trains a feature regression beside its token loss; "
                               "the LK losses are for algorithms that draft from a token law (or train.loss=ce)")
         if t.freeze_lm_head and not self.owns_lm_head:
             raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={name} has no LM head of its own (it reads "
                               "the target's, which is never trained); drop the option")
+
+    def block_drafts(self, cfg: HeadConfig) -> int | None:
+        """Draft tokens one pass gives, for a head that drafts a block (what an engine must be told as
+        num_speculative_tokens); None for a head that drafts one token a forward."""
+        return None
+
+    def recognises(self, config: dict[str, Any]) -> bool:
+        """Whether a config.json written elsewhere (no eagle block) holds a head of this algorithm."""
+        return any(a in self.known_architectures for a in config.get("architectures") or [])
 
     # --- feature spec --------------------------------------------------------------------------
     @property

@@ -84,11 +84,11 @@ def head_config_from_target(
             aux = [int(i) for i in draft_cfg.aux_layer_ids]
             if problem := aux_layer_problem(aux, layers):
                 raise ConfigError(problem)
-    eagle31 = bool(head_cls.num_aux_layers) and not head_cls.drafts_block  # EAGLE-3's fc_norm / norm_output
+    eagle31 = head_cls.eagle31_options  # EAGLE-3's fc_norm / norm_output
     if (draft_cfg.fc_norm or draft_cfg.norm_output) and not eagle31:
         # Like draft_vocab_size and aux_layer_ids: a recipe sets them for its EAGLE-3 head, and
         # `recipe=... draft=eagle1` must still work.
-        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of EAGLE-3 heads; "
+        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of EAGLE-3 / P-EAGLE heads; "
                  "draft.algorithm=%s has no such parts, so they are ignored", algo)
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     block: dict[str, Any] = {}
@@ -96,8 +96,7 @@ def head_config_from_target(
         mask = draft_cfg.mask_token_id if draft_cfg.mask_token_id is not None else default_mask_token_id(text)
         if not 0 <= mask < vocab:
             raise ConfigError(f"draft.mask_token_id={mask} is outside the target's vocabulary [0, {vocab - 1}]")
-        block = {"block_size": int(draft_cfg.block_size), "num_layers": int(draft_cfg.num_layers),
-                 "mask_token_id": int(mask)}
+        block = {**head_cls.block_fields(draft_cfg), "mask_token_id": int(mask)}
     return HeadConfig(
         algorithm=algo,
         hidden_size=hidden,

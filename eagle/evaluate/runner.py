@@ -28,6 +28,7 @@ import torch
 from accelerate import PartialState
 from tqdm.auto import tqdm
 
+from eagle.algorithms import get_algorithm
 from eagle.artifacts import resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
@@ -227,9 +228,9 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
     return out
 
 
-def _max_depth(decode: DecodeConfig, block_size: int | None = None) -> int | None:
-    if block_size is not None:  # a block drafter drafts every block position, whatever decode.tree_depth says
-        depth = block_size - 1
+def _max_depth(decode: DecodeConfig, block_drafts: int | None = None) -> int | None:
+    if block_drafts is not None:  # a block drafter drafts every block position, whatever decode.tree_depth says
+        depth = block_drafts
     elif decode.tree == "static" and decode.static_paths:
         depth = max(len(p) for p in decode.static_paths)
     else:
@@ -345,7 +346,8 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
             per_prompt.append(rec)
 
         block_size = head.config.block_size if head.drafts_block else None
-        report = aggregate(per_prompt, decode.temperature, _max_depth(decode, block_size), acceptance=rule.settings())
+        drafts = get_algorithm(head.config.algorithm).block_drafts(head.config)
+        report = aggregate(per_prompt, decode.temperature, _max_depth(decode, drafts), acceptance=rule.settings())
         if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines and check:
             turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
             report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)

@@ -23,6 +23,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from eagle.algorithms import get_algorithm
 from eagle.artifacts import TRAIN_CONFIG, resolve_draft
 from eagle.config import TargetConfig
 from eagle.errors import EagleError, ExportError
@@ -274,9 +275,16 @@ def _trained_target_path(train_dir: Path | None) -> str | None:
         return None
 
 
-def served_chain_length(cfg: Any) -> int:
-    """The `num_speculative_tokens` an export advertises: `export.speculative_tokens`, else the decoder's
-    tree depth (what eagle's own decoder drafts at most)."""
+def served_chain_length(cfg: Any, head: HeadConfig) -> int:
+    """The `num_speculative_tokens` an export advertises: a block drafter's block (the engines draft all of
+    it in one pass), else `export.speculative_tokens`, else the decoder's tree depth (what eagle's own
+    decoder drafts at most)."""
+    block = get_algorithm(head.algorithm).block_drafts(head)
+    if block is not None:
+        if cfg.export.speculative_tokens not in (None, block):
+            raise ExportError(f"export.speculative_tokens={cfg.export.speculative_tokens}: a {head.algorithm} head "
+                              f"drafts {block} tokens a pass, which is what an engine must be given; drop the option")
+        return block
     return cfg.export.speculative_tokens or cfg.decode.tree_depth
 
 
@@ -294,7 +302,7 @@ def run_export(cfg: Any) -> ExportedHead:
     source = check_folder(src)
     target_path = _trained_target_path(train_dir) or cfg.target.path
     head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
-                        target_path=target_path, speculative_tokens=served_chain_length(cfg),
+                        target_path=target_path, speculative_tokens=served_chain_length(cfg, source.config),
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None,
                         verifier=cfg.export.verifier, verifier_default="local")
     print(summary(head))

@@ -233,7 +233,7 @@ def detect_algorithm(config: dict[str, Any], where: str) -> str:
         raise ExportError(f"{where}: speculators_model_type={kind!r} is not supported (only {', '.join(known)})")
     archs = config.get("architectures") or []
     for algo in ALGORITHMS.values():
-        if any(a in algo.known_architectures for a in archs):
+        if algo.recognises(config):
             return algo.name
     known = [a for algo in ALGORITHMS.values() for a in algo.known_architectures]
     raise ExportError(f"{where}: architectures={archs} is not an EAGLE draft head (expected one of "

@@ -363,9 +363,8 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     lines += ["", "## Usage", ""]
     method = spec.vllm_method
     if fmt in ("vllm", "speculators"):
-        lines += ["```bash", f"vllm serve {target} --speculative-config "
-                  f"'{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": "
-                  f"{speculative_tokens}}}'", "```"]
+        served = {"method": method, "model": name, "num_speculative_tokens": speculative_tokens, **spec.vllm_options}
+        lines += ["```bash", f"vllm serve {target} --speculative-config '{json.dumps(served)}'", "```"]
     elif fmt == "sglang":
         algo_flag = spec.sglang_algorithm
         lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
@@ -467,7 +466,7 @@ def run_publish(cfg: Any) -> Path:
     hub = Path(cfg.output_dir) / "hub"
     # The card describes the validated export, so it is written after it (atomically, like the weights).
     # A published repo names the verifier by its Hub id unless export.verifier says otherwise.
-    chain = served_chain_length(cfg)  # the config's and the card's num_speculative_tokens: one number
+    chain = served_chain_length(cfg, source.config)  # the config's and the card's num_speculative_tokens: one number
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
                         speculative_tokens=chain, verifier=cfg.export.verifier,
                         verifier_default="hub", local_paths=False,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eagle.config import ConfigError
+from eagle.config import ConfigError, DraftConfig
 
 
 @dataclass
@@ -96,6 +96,8 @@ class DraftHead(nn.Module, ABC):
     # forward over its own previous outputs (EAGLE: the decoder expands a tree level by level,
     # `eagle.decode.draft`).
     drafts_block: ClassVar[bool] = False
+    # Takes the EAGLE-3.1 options `HeadConfig.fc_norm` / `norm_output` (EAGLE-3's fc and feedback).
+    eagle31_options: ClassVar[bool] = False
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
@@ -156,6 +158,11 @@ class DraftHead(nn.Module, ABC):
         if d2t is None:
             return draft_ids
         return draft_ids + d2t[draft_ids]
+
+    @classmethod
+    def block_fields(cls, draft: DraftConfig) -> dict[str, int]:
+        """The `HeadConfig` fields a block drafter sizes from `draft.*` (its block, its layers); {} for others."""
+        return {}
 
     # --- decoding: the drafting step the decoder drives (`eagle.decode.generator`) ----------------
     def new_draft_cache(self) -> Any:

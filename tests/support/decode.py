@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from eagle.algorithms import get_algorithm
 from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.config import DecodeConfig, DraftConfig
 from eagle.heads.base import DraftHead, HeadConfig
@@ -26,7 +27,7 @@ def random_head(target: Any, algorithm: str, draft_vocab_size: int | None = None
     cfg = head_config_from_target(target.config, DraftConfig(algorithm=algorithm, draft_vocab_size=draft_vocab_size,
                                                              **options))
     counts = None
-    if algorithm == "eagle3" and cfg.draft_vocab_size < cfg.vocab_size:
+    if get_algorithm(algorithm).head_class.reduced_vocab and cfg.draft_vocab_size < cfg.vocab_size:
         counts = torch.randint(1, 100, (cfg.vocab_size,))
     return build_head(cfg, target, vocab_counts=counts).eval()
 

@@ -95,12 +95,14 @@ class DFlash(Algorithm):
     name: ClassVar[str] = DFlashHead.algorithm
     title: ClassVar[str] = "DFlash"
     head_class: ClassVar[type[DraftHead]] = DFlashHead
+    takes_dpace: ClassVar[bool] = True
     # vllm: vLLM's `DFlashDraftModel` (qwen3_dflash.py): top-level fc / hidden_norm / norm / layers.N.*, the
     # target's embeddings and LM head shared (the folder holds neither), dflash_config.{mask_token_id,
     # target_layer_ids}; z-lab's layout, which llama.cpp's converter (conversion/qwen.py DFlashModel) reads too.
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf")
     format_refusals: ClassVar[dict[str, str]] = {
-        "speculators": "speculators 0.9.0 has no DFlash speculator (models/: eagle, eagle3, mlp)",
+        "speculators": "not written yet: speculators 0.9.0 has a DFlash speculator (speculators/models/dflash) whose "
+                       "checkpoint names have not been mapped to eagle's; export format=vllm",
         "sglang": "not written yet: SGLang's DFlash loader has not been read against this layout",
         "llamacpp": "not written yet: export format=vllm and convert it with llama.cpp's convert_hf_to_gguf.py "
                     "--target-model-dir TARGET (DFlashDraftModel), then serve with --spec-type draft-dflash",
@@ -109,6 +111,9 @@ class DFlash(Algorithm):
     known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     vllm_method: ClassVar[str] = "dflash"
     sglang_algorithm: ClassVar[str] = "DFLASH"
+
+    def block_drafts(self, cfg: HeadConfig) -> int | None:
+        return cfg.block_size - 1  # the anchor is the newest accepted token, not a draft
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.algorithms.dflash.drafting import block_log_probs
+from eagle.config import DraftConfig
 from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig
 from eagle.heads.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -130,6 +131,10 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
     algorithm: ClassVar[str] = "dflash"
     num_aux_layers: ClassVar[int] = 3
     drafts_block: ClassVar[bool] = True
+
+    @classmethod
+    def block_fields(cls, draft: DraftConfig) -> dict[str, int]:
+        return {"block_size": int(draft.block_size), "num_layers": int(draft.num_layers)}
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)

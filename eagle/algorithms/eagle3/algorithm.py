@@ -40,6 +40,10 @@ class Eagle3(Algorithm):
     sglang_algorithm: ClassVar[str] = "EAGLE3"
     extra_metrics: ClassVar[tuple[str, ...]] = ("coverage",)
 
+    def recognises(self, config: dict[str, Any]) -> bool:
+        # A parallel-drafting folder (P-EAGLE: mask_token_id for its slots) has the same architecture.
+        return super().recognises(config) and "mask_token_id" not in config
+
     def label_rows(self, head: DraftHead, lm_head: nn.Module) -> torch.Tensor | None:
         """The frozen LM head's rows for the draft vocabulary ([Vd, H]) when it is reduced: the soft
         labels then cost a [Vd, H] matmul per step instead of [V, H]."""
@@ -59,25 +63,30 @@ class Eagle3(Algorithm):
         # Logits only where a step's loss reads them, labels only at loss tokens (not at prompts or padding).
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
         step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, Vd]
-        with torch.no_grad():
-            next_feature = shift_left(batch["final_hidden"], 1)[labels]  # [N, H] f_{t+1} at the labels
-            if label_rows is not None:
-                # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns):
-                # the same renormalised target distribution; accuracy is then against the target's best
-                # draft-vocabulary token (equal to the full top-1 whenever that is in the draft vocab).
-                target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [N, Vd]
-                vd = label_rows.shape[0]
-                t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
-                d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
-            else:
-                target_logits = lm_head(next_feature.to(lm_head.weight.dtype))  # [N, V]
-                t2d, d2t = head.t2d, head.d2t
+        target_logits, t2d, d2t = self.soft_labels(head, lm_head, batch, labels, label_rows)
         objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
             step_logits, target_logits, rows, t2d, d2t, s.decay, norms, s.loss)
         extra = {}
         if r.coverage is not None and label_rows is None:  # with label rows every label is in the draft vocab
             extra["coverage"] = r.coverage * step_tokens[0]
         return LossParts(objective, step_loss, step_correct, step_tokens, extra, torch.isfinite(objective.detach()))
+
+    @torch.no_grad()
+    def soft_labels(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], labels: torch.Tensor,
+                    label_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the target's logits [N, V or Vd] at the label positions `labels` [B, T] (index t: the law of
+        x_{t+2}, from f_{t+1}), the t2d / d2t maps that compare them with the head's draft ids)."""
+        next_feature = shift_left(batch["final_hidden"], 1)[labels]  # [N, H] f_{t+1} at the labels
+        if label_rows is None:
+            return lm_head(next_feature.to(lm_head.weight.dtype)), head.t2d, head.d2t  # [N, V]
+        # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns): the same
+        # renormalised target distribution; accuracy is then against the target's best draft-vocabulary
+        # token (equal to the full top-1 whenever that is in the draft vocab).
+        target_logits = next_feature.to(label_rows.dtype) @ label_rows.T  # [N, Vd]
+        vd = label_rows.shape[0]
+        t2d = torch.ones(vd, dtype=torch.bool, device=target_logits.device)
+        d2t = torch.zeros(vd, dtype=torch.long, device=target_logits.device)  # compare draft ids directly
+        return target_logits, t2d, d2t
 
     # --- export --------------------------------------------------------------------------------
     def export_tensor_name(self, name: str, fmt: str) -> str:

@@ -37,6 +37,7 @@ class Eagle3Head(DraftHead):
     algorithm: ClassVar[str] = "eagle3"
     num_aux_layers: ClassVar[int] = 3
     reduced_vocab: ClassVar[bool] = True
+    eagle31_options: ClassVar[bool] = True
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)
