@@ -36,6 +36,8 @@ from server_process import Server, free_port
 from eagle.config import TargetConfig
 from eagle.data.eval_prompts import load_eval_prompts
 from eagle.evaluate.baselines import encode_chat
+from eagle.export import check_folder
+from eagle.export.formats import algorithm_of
 from eagle.export.llamacpp import local_target
 from eagle.targets import load_tokenizer, resolve_target_path
 
@@ -55,7 +57,12 @@ def prepare(args: argparse.Namespace) -> int:
     tok = load_tokenizer(cfg, folder)
     prompts = [{"id": p.id, "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": p.turns[0]}])[0].tolist()}
                for p in load_eval_prompts("mt_bench")[: args.prompts]]
-    out = {"target": args.target, "gguf": where.gguf, "hf_dir": where.hf_dir, "prompts": prompts}
+    head = check_folder(args.head)
+    algo = algorithm_of(head.config)
+    # A block drafter drafts its whole block each pass: that is the one draft length to serve and predict.
+    out = {"target": args.target, "gguf": where.gguf, "hf_dir": where.hf_dir, "prompts": prompts,
+           "algorithm": head.config.algorithm, "spec_type": algo.llamacpp_spec_type,
+           "block_drafts": algo.block_drafts(head.config)}
     Path(args.out).write_text(json.dumps(out, indent=1))
     lengths = [len(p["prompt_token_ids"]) for p in prompts]
     print(f"prepare: target GGUF {where.gguf}\n  HF folder {where.hf_dir}\n  {len(prompts)} MT-bench first turns, "
@@ -92,7 +99,7 @@ def run_one(args: argparse.Namespace, prep: dict, n: int, label: str) -> dict:
            "-tb", str(args.threads), "--parallel", "1", "-c", str(args.ctx), "--metrics", "--no-webui"]
     if n:
         # --spec-draft-p-min 0 (b11434's default, spelt out): draft all n tokens every step, as vLLM's k does.
-        cmd += ["--spec-draft-model", args.head_gguf, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
+        cmd += ["--spec-draft-model", args.head_gguf, "--spec-type", prep["spec_type"], "--spec-draft-n-max", str(n),
                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     server = Server(f"llama-server ({label})", cmd, dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
                     Path(args.work) / f"{label}.log", port)
@@ -230,7 +237,8 @@ def report(args: argparse.Namespace) -> int:
     if problems:
         print("FAIL: llama.cpp check: " + "; ".join(problems))
         return 1
-    print("PASS: llama.cpp check: llama-server serves the head (--spec-type draft-eagle3), greedy outputs identical to "
+    print(f"PASS: llama.cpp check: llama-server serves the head (--spec-type {prep['spec_type']}), greedy outputs "
+          "identical to "
           "no head at every n, acceptance per position within noise of our decoder's")
     return 0
 
@@ -241,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--head", required=True, help="the format=llamacpp export (its algorithm picks --spec-type)")
     p.add_argument("--out", required=True)
     r = sub.add_parser("run")
     r.add_argument("--prepared", required=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Opt-in integration check (not part of `make test`, never in CI): llama.cpp's `llama-server` serves target +
-# head with `--spec-type draft-eagle3`, losslessly, accepting what our own decoder predicts.
+# head with `--spec-type draft-eagle3` (a DFlash head: `draft-dflash`, its whole block a pass), losslessly,
+# accepting what our own decoder predicts.
 #
 #   scripts/check_llamacpp.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
 #
@@ -65,9 +66,15 @@ timeout "$STEP_TIMEOUT" "$OURS/eagle-export" "target.path=$TARGET" "draft.path=$
 
 echo "== prepare: target GGUF and HF folder, $PROMPTS MT-bench prompts"
 timeout "$STEP_TIMEOUT" "$OURS/python" scripts/check_llamacpp.py prepare --target "$TARGET" --prompts "$PROMPTS" \
-  --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
-read -r GGUF HF_DIR < <("$OURS/python" -c 'import json,sys; p=json.load(open(sys.argv[1])); print(p["gguf"], p["hf_dir"])' \
-  "$WORK/prepared.json")
+  --head "$WORK/export" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
+read -r GGUF HF_DIR SPEC_TYPE BLOCK < <("$OURS/python" -c 'import json,sys; p=json.load(open(sys.argv[1]))
+print(p["gguf"], p["hf_dir"], p["spec_type"], p["block_drafts"] or 0)' "$WORK/prepared.json")
+if [ "$BLOCK" != 0 ]; then  # a block drafter drafts its whole block a pass: one n, predicted as a chain of it
+  NS=$BLOCK MAX_N=$BLOCK
+  OUR_TREE=(decode.tree=dynamic decode.tree_top_k=1)
+else
+  OUR_TREE=(decode.tree=static "decode.static_paths=$("$OURS/python" -c 'import sys; n=int(sys.argv[1]); print("[" + ",".join("[" + ",".join(["0"]*d) + "]" for d in range(1, n+1)) + "]")' "$MAX_N")")
+fi
 
 echo "== convert the head with llama.cpp's convert_hf_to_gguf.py (log: $WORK/convert.log)"
 HEAD_GGUF=$WORK/export/head.gguf
@@ -77,10 +84,9 @@ PYTHONPATH=$SRC/gguf-py timeout "$STEP_TIMEOUT" "$CONVERT_VENV/bin/python" "$SRC
 [ -s "$HEAD_GGUF" ] || fail "the converter exited 0 but wrote no $HEAD_GGUF (log: $WORK/convert.log)"
 
 echo "== our prediction: eagle-eval, the head as a chain of $MAX_N drafts, same prompts (log: $WORK/ours.log)"
-PATHS=$("$OURS/python" -c 'import sys; n=int(sys.argv[1]); print("[" + ",".join("[" + ",".join(["0"]*d) + "]" for d in range(1, n+1)) + "]")' "$MAX_N")
 timeout "$STEP_TIMEOUT" "$OURS/eagle-eval" "target.path=$TARGET" "draft.path=$HEAD" target.dtype=float32 \
   eval.prompts=mt_bench "eval.max_prompts=$PROMPTS" eval.baselines=[] eval.warmup_prompts=0 \
-  decode.temperature=0 "decode.max_new_tokens=$NEW_TOKENS" decode.tree=static "decode.static_paths=$PATHS" \
+  decode.temperature=0 "decode.max_new_tokens=$NEW_TOKENS" "${OUR_TREE[@]}" \
   "output_dir=$WORK/ours" > "$WORK/ours.log" 2>&1 || { tail -n 15 "$WORK/ours.log"; fail "eagle-eval (our prediction) failed"; }
 
 echo "== llama-server $THREADS thread(s): without the head, with it for n in $NS, without it again"

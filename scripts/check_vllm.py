@@ -31,6 +31,7 @@ def prepare(args: argparse.Namespace) -> int:
     from eagle.config import TargetConfig
     from eagle.data.eval_prompts import load_eval_prompts
     from eagle.export import check_folder, resolve_head_source, write_export
+    from eagle.export.formats import algorithm_of
     from eagle.targets import load_tokenizer, resolve_target_path
 
     target_cfg = TargetConfig(path=args.target)
@@ -60,7 +61,9 @@ def prepare(args: argparse.Namespace) -> int:
             ids = ids["input_ids"]
         prompts.append({"id": p.id, "prompt_token_ids": [int(i) for i in ids]})
     out = {"target": str(Path(target).resolve()), "head": str(Path(served).resolve()), "head_format": head.format,
-           "method": "eagle3" if head.config.algorithm == "eagle3" else "eagle",
+           "method": algorithm_of(head.config).vllm_method, "options": algorithm_of(head.config).vllm_options,
+           # A block drafter (DFlash, P-EAGLE) drafts its whole block a pass: the one k it can be served with.
+           "block_drafts": algorithm_of(head.config).block_drafts(head.config),
            "aux_layer_ids": list(head.config.aux_layer_ids), "prompts": prompts}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"prepare: target {out['target']}\n  head {out['head']} ({head.format}, {out['method']}, aux layers "
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     spec = None
     if args.mode == "spec":
-        spec = {"method": prep["method"], "model": prep["head"], "num_speculative_tokens": args.k}
+        spec = {"method": prep["method"], "model": prep["head"], "num_speculative_tokens": args.k,
+                **prep.get("options", {})}
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     t0 = time.perf_counter()
     llm = LLM(model=prep["target"], tokenizer=prep["target"], dtype="float32", seed=0,
@@ -151,6 +155,12 @@ def report(args: argparse.Namespace) -> int:
     print("| k | batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
           "length | greedy outputs identical |")
     print("|---:|---:|---:|---:|---:|---|---:|---|")
+    if args.ours:  # eagle's decoder on the same prompts, the head as a chain of k drafts (greedy, float32)
+        ours = json.loads(Path(args.ours).read_text())
+        k = specs[0]["k"]
+        pos = " / ".join(f"{x:.2f}" for x in ours["accept_fraction_by_depth"][:k])
+        print(f"our decoder, a chain of {k} on the same prompts: acceptance per position {pos}, mean acceptance "
+              f"length {ours['tau']:.2f}")
     problems = []
     best: dict[str, tuple[float, int]] = {}  # batch -> (ratio, k)
     for spec in specs:
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--prepared", required=True)
     c.add_argument("--base", required=True)
     c.add_argument("--spec", required=True, nargs="+", help="one run[spec] result per num_speculative_tokens")
+    c.add_argument("--ours", default=None, help="eagle-eval's report.json of the head as a chain, same prompts")
     c.add_argument("--min-accept", type=float, default=0.05,
                    help="least position-1 acceptance that counts as the head working (a wrongly loaded head gets ~0)")
     args = ap.parse_args(argv)

@@ -43,6 +43,10 @@ echo "== prepare: target folder, head folder, $PROMPTS MT-bench prompts"
 timeout 600 "$OURS/python" scripts/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
   --work "$WORK" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
 
+BLOCK=$("$OURS/python" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("block_drafts") or 0)' \
+  "$WORK/prepared.json")
+[ "$BLOCK" != 0 ] && KS=$BLOCK  # a block drafter (DFlash, P-EAGLE) is served with its whole block: k = its drafts
+
 # A compile cache of its own per engine: vLLM 0.32 reloads torch.compile artefacts keyed by the target,
 # and one written for an earlier head made the EAGLE-3 engine fail to load it and crash (stack overflow)
 # while recompiling. A fresh cache costs the compile (~30 s) and keeps each engine independent of the others.
@@ -72,6 +76,18 @@ for k in $KS; do
   SPECS+=("$WORK/spec-k$k.json")
 done
 
+# Our prediction: eagle-eval on the same prompts, the head as a chain of the (first) k drafts, greedy, float32.
+FIRST_K=${KS%% *}
+if [ "$BLOCK" != 0 ]; then OUR_TREE=(decode.tree=dynamic decode.tree_top_k=1)
+else OUR_TREE=(decode.tree=dynamic decode.tree_top_k=1 "decode.tree_depth=$FIRST_K" "decode.tree_total_tokens=$FIRST_K"); fi
+OURS_ARGS=()
+if timeout 1800 "$OURS/eagle-eval" "target.path=$TARGET" "draft.path=$HEAD" target.dtype=float32 eval.prompts=mt_bench \
+    "eval.max_prompts=$PROMPTS" eval.baselines=[] eval.warmup_prompts=0 decode.temperature=0 \
+    "decode.max_new_tokens=$NEW_TOKENS" "${OUR_TREE[@]}" "output_dir=$WORK/ours" > "$WORK/ours.log" 2>&1; then
+  OURS_ARGS=(--ours "$WORK/ours/report.json")
+else
+  echo "our prediction (eagle-eval) failed: $WORK/ours.log"
+fi
 "$OURS/python" scripts/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
-  --spec "${SPECS[@]}" | tee "$WORK/result.txt"
+  --spec "${SPECS[@]}" "${OURS_ARGS[@]}" | tee "$WORK/result.txt"
 exit "${PIPESTATUS[0]}"

@@ -27,8 +27,8 @@ def _run(label: str, n: int, outputs: dict[str, list[int]], tok_s: float, steps:
 def _report(tmp: Path, spec_outputs: dict[str, list[int]], per_pos: list[int], ours: list[float],
             verify: dict | None = None) -> subprocess.CompletedProcess:
     base = {"a": [1, 2, 3], "b": [4, 5, 6]}
-    (tmp / "prepared.json").write_text(json.dumps({"gguf": "t.gguf", "hf_dir": "t", "prompts": [{"id": "a"},
-                                                                                                 {"id": "b"}]}))
+    (tmp / "prepared.json").write_text(json.dumps({"gguf": "t.gguf", "hf_dir": "t", "spec_type": "draft-eagle3",
+                                                   "block_drafts": None, "prompts": [{"id": "a"}, {"id": "b"}]}))
     runs = [_run("n0-before", 0, base, 50.0), _run("n2", 2, spec_outputs, 30.0, 400, per_pos),
             _run("n0-after", 0, base, 54.0)]
     (tmp / "runs.json").write_text(json.dumps({"threads": 1, "max_new_tokens": 64, "runs": runs}))

@@ -141,6 +141,7 @@ class Algorithm(ABC):
     speculators_model_type: ClassVar[str | None] = None  # None: no speculators format
     vllm_method: ClassVar[str]
     vllm_options: ClassVar[dict[str, Any]] = {}  # more of vLLM's speculative_config (P-EAGLE: parallel_drafting)
+    llamacpp_spec_type: ClassVar[str] = "draft-eagle3"  # llama-server --spec-type for format=llamacpp
     sglang_algorithm: ClassVar[str]
     extra_metrics: ClassVar[tuple[str, ...]] = ()  # keys of LossParts.extra, weighted per step-0 token
     # Training options it takes: the LK losses (train.loss != ce) need a token law per position to

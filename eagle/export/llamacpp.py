@@ -82,7 +82,8 @@ def llamacpp_guide(cfg: HeadConfig, head_dir: str, target: LlamaCppTarget, dtype
         "file: convert the folder with llama.cpp's converter, then serve the target with it. The flags were "
         f"checked against llama.cpp {LLAMACPP_VERSION} (`convert_hf_to_gguf.py`, `common/arg.cpp`).", "",
         f"Target: `{target.name}`. Draft reads the input of target layers {list(cfg.aux_layer_ids)} "
-        "(`eagle_aux_hidden_state_layer_ids`; llama.cpp extracts the same, common/speculative.cpp).", "",
+        "(in config.json as eagle's export format names them; llama.cpp extracts the same, "
+        "common/speculative.cpp).", "",
     ]
     if not target.hf_dir:
         lines += [f"TARGET_HF_DIR: a local Hugging Face folder of `{target.name}` (config.json and tokenizer), e.g. "
@@ -102,7 +103,7 @@ def llamacpp_guide(cfg: HeadConfig, head_dir: str, target: LlamaCppTarget, dtype
         step += 1
     lines += [f"{step}. Serve the target with the head drafting {draft_tokens} tokens a step "
               "(`--spec-draft-n-max`; eagle-export's `export.speculative_tokens`):", "", "```bash",
-              f"llama-server -m {gguf} --spec-draft-model {head_gguf} --spec-type draft-eagle3 "
+              f"llama-server -m {gguf} --spec-draft-model {head_gguf} --spec-type {algorithm_of(cfg).llamacpp_spec_type} "
               f"--spec-draft-n-max {draft_tokens}", "```", "",
               "Re-exporting into this folder removes a `head.gguf` left here, so a stale conversion is never served."]
     return "\n".join(lines) + "\n"

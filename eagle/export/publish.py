@@ -375,7 +375,7 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     if fmt == "llamacpp":
         lines += ["This folder is the head in vLLM's layout; [LLAMACPP.md](LLAMACPP.md) has the llama.cpp commands "
                   "that convert it to a GGUF draft (`convert_hf_to_gguf.py --target-model-dir`) and serve it "
-                  f"(`llama-server --spec-type draft-eagle3 --spec-draft-n-max {speculative_tokens}`)."]
+                  f"(`llama-server --spec-type {spec.llamacpp_spec_type} --spec-draft-n-max {speculative_tokens}`)."]
     lines += ["", "With `eagle` itself (any format):", "", "```bash",
               f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
     if reports:

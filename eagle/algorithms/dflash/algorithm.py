@@ -99,15 +99,17 @@ class DFlash(Algorithm):
     # vllm: vLLM's `DFlashDraftModel` (qwen3_dflash.py): top-level fc / hidden_norm / norm / layers.N.*, the
     # target's embeddings and LM head shared (the folder holds neither), dflash_config.{mask_token_id,
     # target_layer_ids}; z-lab's layout, which llama.cpp's converter (conversion/qwen.py DFlashModel) reads too.
-    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf")
+    # llamacpp: the vLLM folder, which llama.cpp b11434's converter reads as DFlashDraftModel (conversion/qwen.py),
+    # served with --spec-type draft-dflash.
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf", "llamacpp")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "not written yet: speculators 0.9.0 has a DFlash speculator (speculators/models/dflash) whose "
                        "checkpoint names have not been mapped to eagle's; export format=vllm",
         "sglang": "not written yet: SGLang's DFlash loader has not been read against this layout",
-        "llamacpp": "not written yet: export format=vllm and convert it with llama.cpp's convert_hf_to_gguf.py "
-                    "--target-model-dir TARGET (DFlashDraftModel), then serve with --spec-type draft-dflash",
     }
-    architectures: ClassVar[dict[str, str]] = {"vllm": "DFlashDraftModel", "hf": "DFlashDraftModel"}
+    architectures: ClassVar[dict[str, str]] = {"vllm": "DFlashDraftModel", "hf": "DFlashDraftModel",
+                                               "llamacpp": "DFlashDraftModel"}
+    llamacpp_spec_type: ClassVar[str] = "draft-dflash"
     known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     vllm_method: ClassVar[str] = "dflash"
     sglang_algorithm: ClassVar[str] = "DFLASH"
