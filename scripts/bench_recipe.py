@@ -66,6 +66,17 @@ VARIANTS: dict[str, list[str]] = {
     "target-layer": ["train.init_layer_from_target=-1"],
     # lm_head fixed at the target's rows (the labels' own), the final norm from the target's.
     "freeze-lm-head": ["train.freeze_lm_head=true"],
+    # Block drafters (#43's study), on the same capture as the EAGLE-3 recipe: acc@j is block position j + 1
+    # (DFlash) or depth j (P-EAGLE), each drafted in one pass; `recipe` is the EAGLE-3 head they are against.
+    "dflash-b8": ["draft=dflash", "draft.block_size=8", "draft.aux_layer_ids=[2,15,27]"],
+    "dflash-b16": ["draft=dflash", "draft.block_size=16", "draft.aux_layer_ids=[2,15,27]"],
+    "dflash-b8-l2": ["draft=dflash", "draft.block_size=8", "draft.num_layers=2", "draft.aux_layer_ids=[2,15,27]"],
+    "peagle-k4": ["draft=peagle", "draft.parallel_tokens=4", "draft.aux_layer_ids=[2,15,27]",
+                  "draft.draft_vocab_size=8192"],
+    "peagle-k8": ["draft=peagle", "draft.parallel_tokens=8", "draft.aux_layer_ids=[2,15,27]",
+                  "draft.draft_vocab_size=8192"],
+    "recipe-lk": ["train.loss=lk_hybrid"],
+    "dflash-b8-lk": ["draft=dflash", "draft.block_size=8", "draft.aux_layer_ids=[2,15,27]", "train.loss=lk_hybrid"],
 }
 
 

@@ -383,3 +383,9 @@ def test_vllm_export_has_the_dflash_layout_passes_check_and_decodes_the_same(qwe
     with pytest.raises(Exception, match="id 0"):
         export_head(_head(model, aux_layer_ids=[0, 1, 2]), tmp_path / "bad", "vllm")
     assert not (tmp_path / "bad").exists()
+    # format=llamacpp: the same folder (llama.cpp's converter reads DFlashDraftModel) and the commands that
+    # convert it and serve it with --spec-type draft-dflash, drafting the whole block.
+    export_head(head, tmp_path / "llamacpp", "llamacpp", dtype="float32", speculative_tokens=5)
+    guide = (tmp_path / "llamacpp" / "LLAMACPP.md").read_text()
+    assert "--spec-type draft-dflash --spec-draft-n-max 5" in guide and "--target-model-dir" in guide
+    check_folder(tmp_path / "llamacpp", expect_format="llamacpp")

@@ -27,10 +27,13 @@ from eagle.capture.features import extract_features
 from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
 from eagle.decode.generator import SpeculativeGenerator
+from eagle.errors import ExportError
 from eagle.evaluate import evaluate
 from eagle.export import check_folder, export_head, load_exported_head
+from eagle.export.exporter import served_chain_length
 from eagle.export.formats import detect_algorithm
 from eagle.export.loader import load_draft
+from eagle.export.publish import model_card
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.support.heads import randomise
@@ -317,3 +320,18 @@ def test_vllm_export_is_eagle3_with_mask_hidden_and_decodes_the_same(qwen3, tmp_
     with pytest.raises(Exception, match="speculators"):
         export_head(head, tmp_path / "bad", "speculators")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_block_drafter_advertises_its_own_block_to_the_engines(qwen3, tmp_path):
+    """num_speculative_tokens of a block drafter's export is what one pass drafts (P-EAGLE: K; DFlash: B - 1);
+    another export.speculative_tokens is refused by name. The card's vLLM line turns parallel drafting on."""
+    model, _ = qwen3
+    head = _head(model, parallel_tokens=5)
+    assert served_chain_length(compose([]), head.config) == 5
+    dflash = random_head(model, "dflash", block_size=6).config
+    assert served_chain_length(compose([]), dflash) == 5
+    with pytest.raises(ExportError, match="export.speculative_tokens=3"):
+        served_chain_length(compose(["export.speculative_tokens=3"]), head.config)
+    exported = export_head(head, tmp_path / "vllm", "vllm", dtype="float32", speculative_tokens=5)
+    card = model_card(exported, "vllm", "t", "apache-2.0", [], {}, None, speculative_tokens=5)
+    assert '"num_speculative_tokens": 5, "parallel_drafting": true' in card

@@ -251,7 +251,8 @@ class Algorithm(ABC):
         that can. Called before anything is written."""
         if fmt not in self.export_formats:
             reason = self.format_refusals.get(fmt)
-            raise ExportError(f"format={fmt} cannot express an {self.title} head" + (f" ({reason})" if reason else "")
+            article = "an" if self.title[0] in "AEIOU" else "a"
+            raise ExportError(f"format={fmt} cannot express {article} {self.title} head" + (f" ({reason})" if reason else "")
                               + "; export it with format=" + " | ".join(self.export_formats))
         problems = self.export_refusals(cfg, fmt)
         if problems:
