@@ -40,7 +40,7 @@ from eagle.decode.generator import SpeculativeGenerator
 from eagle.evaluate import evaluate
 from eagle.export.loader import load_draft
 from eagle.train.trainer import train
-from tests.support.decode import decode_cfg, hf_greedy, prompt_ids, random_head
+from tests.support.decode import decode_cfg, hf_greedy, oracle_table, prompt_ids, random_head
 from tests.support.heads import randomise
 from tests.support.train import Workspace
 from tests.test_accept import _sampled_law_check
@@ -224,16 +224,7 @@ class BlockOracle(DFlashHead):
     algorithm: ClassVar[str] = "dflash"
 
     def setup(self, reference: list[int]) -> BlockOracle:
-        v = self.config.vocab_size
-        table = torch.randn(len(reference) + 64, v, generator=torch.Generator().manual_seed(1))
-        for p, right in enumerate(reference):
-            if p % 5 == 3:
-                table[p, right] = -30.0
-            elif p % 7 == 2:
-                table[p, (right + 1) % v], table[p, right] = 20.0, 19.0
-            else:
-                table[p, right] = 20.0
-        self.table = table
+        self.table = oracle_table(reference, self.config.vocab_size)
         return self
 
     def forward(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None):

@@ -1,11 +1,11 @@
 """Drafting a tree with the head over its own KV cache.
 
 The head's cache holds one entry per committed pair (token x_{t+1}, target feature f_t), appended by
-`DraftHead.commit` — see `eagle.heads.base` for the alignment. The last committed entry is the root (the newest accepted
-token); its output hidden state `root_hidden` predicts the root's children. Each further depth level
-feeds the current frontier nodes (token, their parent's output hidden) in one head forward, where each
-frontier node attends to the committed prefix, its drafted ancestors and itself. Draft entries are
-cropped from the head cache once the tree is built.
+`DraftHead.commit` — see `eagle.heads.base` for the alignment. The last committed entry is the root
+(the newest accepted token); its output hidden state `root_hidden` predicts the root's children. Each
+further depth level feeds the current frontier nodes (token, their parent's output hidden) in one head
+forward, where each frontier node attends to the committed prefix, its drafted ancestors and itself.
+Draft entries are cropped from the head cache once the tree is built.
 """
 
 from __future__ import annotations

@@ -214,8 +214,7 @@ class SpeculativeGenerator:
     def _draft_block(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int) -> Tree:
         """One head pass gives every block position's law; a sampled chain, or a tree of their top-k."""
         c = self.cfg
-        with torch.inference_mode():
-            log_probs = self.head.draft_block(head_cache, root, root_hidden, root_pos)  # [D, V_draft]
+        log_probs = self.head.draft_block(head_cache, root, root_hidden, root_pos)  # [D, V] (inference mode)
         if self.sampled:
             return sampled_chain(log_probs, root, c.temperature, c.top_k, c.top_p, generator=self.rng)
         pool = block_pool(log_probs, min(c.tree_top_k, log_probs.shape[-1]))

@@ -37,7 +37,7 @@ from eagle.config import ConfigError, DraftConfig
 class HeadConfig:
     """Everything needed to rebuild a head; saved as `head_config.json` next to its weights."""
 
-    algorithm: str  # eagle1 | eagle3 | dflash
+    algorithm: str  # a name in eagle.algorithms.ALGORITHMS
     hidden_size: int  # head width (= target hidden size)
     target_hidden_size: int
     vocab_size: int  # target vocabulary
@@ -58,8 +58,8 @@ class HeadConfig:
     # final-normed output (not the pre-norm one) fed back as the next step's hidden state.
     fc_norm: bool = False
     norm_output: bool = False
-    # Block drafters (DFlash): tokens a draft pass fills (anchor included), draft layers, the id whose
-    # embedding fills the draft positions. EAGLE heads keep the defaults.
+    # Block drafters: tokens a draft pass fills (DFlash: anchor included; P-EAGLE: the K drafts), draft
+    # layers (DFlash), the id whose embedding fills the draft positions. EAGLE heads keep the defaults.
     block_size: int = 1
     num_layers: int = 1
     mask_token_id: int | None = None
@@ -180,8 +180,9 @@ class DraftHead(nn.Module, ABC):
 
     def draft_block(self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
                     ) -> torch.Tensor:
-        """A block drafter's one pass: [D, V_draft] log-probabilities of the D tokens after the root (the
-        newest accepted token, at `root_position`; `root_hidden` is what `commit` returned)."""
+        """A block drafter's one pass, under inference mode: [D, V] log-probabilities over the target
+        vocabulary of the D tokens after the root (the newest accepted token, at `root_position`;
+        `root_hidden` is what `commit` returned)."""
         raise NotImplementedError(f"{type(self).__name__} drafts one token per forward (drafts_block is False)")
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

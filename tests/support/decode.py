@@ -102,3 +102,17 @@ def decode_cfg(**kw: Any) -> DecodeConfig:
     base = dict(tree="dynamic", tree_top_k=3, tree_depth=4, tree_total_tokens=10, max_new_tokens=24)
     base.update(kw)
     return DecodeConfig(**base)
+
+
+def oracle_table(reference: list[int], vocab_size: int) -> torch.Tensor:
+    """[len(reference) + 64, V] logits whose row p drafts reference[p]: wrong where p % 5 == 3, at rank 1
+    where p % 7 == 2 (the right token second), right at rank 0 elsewhere; random below the top."""
+    table = torch.randn(len(reference) + 64, vocab_size, generator=torch.Generator().manual_seed(1))
+    for p, right in enumerate(reference):
+        if p % 5 == 3:
+            table[p, right] = -30.0
+        elif p % 7 == 2:
+            table[p, (right + 1) % vocab_size], table[p, right] = 20.0, 19.0
+        else:
+            table[p, right] = 20.0
+    return table

@@ -24,7 +24,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.base import LossParts, LossSettings, aligned_inputs, unroll_decay, unrolled_soft_ce
+from eagle.algorithms.base import (
+    Algorithm,
+    LossParts,
+    LossSettings,
+    aligned_inputs,
+    unroll_decay,
+    unrolled_soft_ce,
+)
 from eagle.algorithms.eagle3.algorithm import Eagle3
 from eagle.algorithms.losses import packed_positions, step_loss_mask
 from eagle.algorithms.peagle.head import PEagleHead
@@ -122,7 +129,7 @@ class PEagle(Eagle3):
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
         return LossSettings(steps=draft.parallel_tokens, decay=unroll_decay(train), feature_weight=0.0,
                             token_weight=1.0, noise_std=0.0, pad_id=pad_id, loss=train.loss,
-                            anchors=train.anchors_per_sequence, block_size=draft.parallel_tokens,
+                            anchors=train.anchors_per_sequence,
                             cod_ratio=train.cod_ratio, cod_floor=train.cod_floor)
 
     def plan_batch(self, batch: dict[str, Any], settings: LossSettings) -> dict[str, Any]:
@@ -167,11 +174,12 @@ class PEagle(Eagle3):
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], 1)  # depth 0, as EAGLE-3's step 0
         row_of = labels.flatten().cumsum(0).view_as(labels) - 1  # [B, T] label row of each loss index
         slot_label, counts = self._slot_labels(batch, a["loss_mask"])
+        slot_row = row_of.gather(1, slot_label)  # [B, S] label row of each slot (valid where it counts)
         step_logits, step_rows = [head.logits(out[:, :t][masks[0]])], [rows[0]]
         for j in range(1, s.steps):
             at = counts & (depth == j)  # [B, S]
             step_logits.append(head.logits(out[:, t:][at]))  # [N_j, Vd]
-            step_rows.append(row_of.gather(1, slot_label)[at])  # [N_j]
+            step_rows.append(slot_row[at])  # [N_j]
         target_logits, t2d, d2t = self.soft_labels(head, lm_head, batch, labels, label_rows)
         objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
             step_logits, target_logits, step_rows, t2d, d2t, s.decay, norms, s.loss)
@@ -186,5 +194,5 @@ class PEagle(Eagle3):
         return {**super().config_fields(cfg, fmt), "mask_token_id": cfg.mask_token_id}
 
     def recognises(self, config: dict[str, Any]) -> bool:
-        return any(a in self.known_architectures for a in config.get("architectures") or []) and (
-            "mask_token_id" in config)
+        # EAGLE-3's architecture, and the key vLLM's parallel drafting reads (Eagle3.recognises: without it).
+        return Algorithm.recognises(self, config) and "mask_token_id" in config
