@@ -35,7 +35,9 @@ class TargetConfig:
     chat_template: str | None = None
     # Where GGUF targets are converted to HF checkpoints; default: $EAGLE_CACHE or ~/.cache/eagle.
     cache_dir: str | None = None
-    attn_implementation: str = "sdpa"
+    # auto | sdpa | eager (any transformers name; the decoder needs one that takes a 4D mask: sdpa or eager).
+    # auto: sdpa where the family's transformers class runs it, eager elsewhere (gpt-oss and its sinks).
+    attn_implementation: str = "auto"
     # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes; also batched
     # regeneration's decode steps) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
     cpu_gemm: str = "auto"

@@ -52,6 +52,7 @@ from eagle.errors import EagleError, TargetError
 from eagle.precision import resolve_dtype
 from eagle.targets import (
     TargetInfo,
+    attention_implementation,
     check_shard_stage,
     decoder_layer_stacks,
     decoder_of,
@@ -128,7 +129,8 @@ def _skeleton(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> nn.Module
         config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                     attn_implementation=cfg.attn_implementation)
+                                                     attn_implementation=attention_implementation(
+                                                         cfg.attn_implementation, config))
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise TargetError(f"cannot build target.path={cfg.path!r} ({resolved}) for target.shard=fsdp: {e}") from e
     return model.eval().requires_grad_(False)

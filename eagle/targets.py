@@ -9,17 +9,20 @@ model's own config.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from eagle.assets import ASSETS, asset_path
 from eagle.config import ConfigError, TargetConfig
@@ -214,15 +217,53 @@ def check_shard_stage(cfg: TargetConfig, stage: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def target_errors(model: Any) -> Iterator[None]:
+    """A failure inside the target's own forward stops with the target's name and the error: the usual
+    cause is its config (one transformers accepts but cannot run), which a tensor-size traceback hides."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        config = getattr(model, "config", None)
+        name = getattr(config, "_name_or_path", "") or type(model).__name__
+        model_type = getattr(text_config(config), "model_type", "?") if config is not None else "?"
+        raise TargetError(
+            f"the target's own forward failed (target.path={name}, model_type {model_type}): {type(e).__name__}: "
+            f"{e}. Check its config.json (e.g. num_key_value_heads must divide num_attention_heads) by running the "
+            "model with transformers alone"
+        ) from e
+
+
+# Attention implementations that take the decoder's 4D tree mask (eagle.decode.target); eager also runs
+# attention sinks (gpt-oss) and is in every transformers model.
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def attention_implementation(requested: str, model_config: Any) -> str:
+    """`target.attn_implementation`, with `auto` resolved for this family: sdpa where its transformers
+    class runs it, eager elsewhere (gpt-oss: its sinks have no sdpa path). Remote-code families get sdpa,
+    transformers' own default."""
+    if requested != "auto":
+        return requested
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    if model_class is None or getattr(model_class, "_supports_sdpa", False):
+        return "sdpa"
+    return "eager"
+
+
 def load_weights(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> Any:
     """The target's HF model from `resolved` (see `resolve_target_path`) on the CPU, eval mode, no grads."""
     try:
+        config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             resolved,
+            config=config,
             revision=cfg.revision,
             dtype=dtype,
             trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attention_implementation(cfg.attn_implementation, config),
         )
     except Exception as e:
         raise TargetError(f"cannot load target.path={cfg.path!r} ({resolved}): {e}") from e

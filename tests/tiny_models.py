@@ -11,6 +11,17 @@ tested on differently shaped templates and model configs without any download:
 | qwen3   | Qwen3ForCausalLM      | q/k norm                                | ChatML with a think block |
 | mistral | MistralForCausalLM    | untied                                  | [INST] ... [/INST]        |
 | gemma3  | Gemma3ForCausalLM     | scaled embeddings, gelu, pre/post norms | <start_of_turn> turns     |
+
+The newer families (`MORE_FAMILIES`, issue #44) are tested by tests/test_families.py across every stage:
+
+| family      | model class              | notable config                                   | template shape      |
+|-------------|--------------------------|--------------------------------------------------|---------------------|
+| qwen3_next  | Qwen3NextForCausalLM     | Gated DeltaNet + full attention, MoE, shared exp | ChatML, think block |
+| qwen3_5     | Qwen3_5ForCausalLM       | Gated DeltaNet + full attention, dense (text)    | ChatML, think block |
+| gpt_oss     | GptOssForCausalLM        | sinks, sliding + full layers, MoE; eager only    | Harmony channels    |
+| qwen3_moe   | Qwen3MoeForCausalLM      | MoE                                              | ChatML, think block |
+| mixtral     | MixtralForCausalLM       | MoE                                              | [INST] ... [/INST]  |
+| deepseek_v3 | DeepseekV3ForCausalLM    | MLA, shared experts, a dense first layer         | DeepSeek turns      |
 """
 
 from __future__ import annotations
@@ -20,9 +31,13 @@ from pathlib import Path
 
 import torch
 
+from eagle.targets import attention_implementation
+
 HIDDEN = 64
 LAYERS = 4
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+MORE_FAMILIES = ("qwen3_next", "qwen3_5", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")  # recurrent (linear-attention) layers
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -48,6 +63,19 @@ GEMMA = (
     "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# Harmony's shape (gpt-oss): every message on a channel; the final answer ends with <|return|>, earlier ones
+# with <|end|>.
+HARMONY = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m['content'] }}{% if m['role'] == 'assistant' and loop.last %}<|return|>{% else %}<|end|>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+DEEPSEEK = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<|Assistant|>{{ m['content'] }}<|end_of_sentence|>"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}"
+)
+_QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 # template, special tokens, bos, eos
 TEMPLATES: dict[str, tuple[str, list[str], str | None, str]] = {
@@ -58,6 +86,14 @@ TEMPLATES: dict[str, tuple[str, list[str], str | None, str]] = {
               "<|im_end|>"),
     "mistral": (MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
     "gemma3": (GEMMA, ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>"),
+    "qwen3_next": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
+    "qwen3_5": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
+    "qwen3_moe": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
+    "gpt_oss": (HARMONY, ["<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
+                None, "<|return|>"),
+    "mixtral": (MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+    "deepseek_v3": (DEEPSEEK, ["<|end_of_sentence|>", "<|begin_of_sentence|>", "<|User|>", "<|Assistant|>"],
+                    "<|begin_of_sentence|>", "<|end_of_sentence|>"),
 }
 
 _CORPUS = [
@@ -135,7 +171,43 @@ def make_config(family: str, vocab_size: int, num_layers: int = LAYERS, hidden: 
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     if family == "gemma3":
         return Gemma3TextConfig(**common, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
-    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    return _more_config(family, common, num_layers)
+
+
+def _more_config(family: str, common: dict, num_layers: int):
+    """The configs of MORE_FAMILIES (hybrid layers alternate linear and full attention)."""
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        MixtralConfig,
+        Qwen3_5TextConfig,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
+
+    hybrid = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4,
+                  layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(**common, **hybrid, **moe, num_experts=4, shared_expert_intermediate_size=32,
+                               tie_word_embeddings=False)
+    if family == "qwen3_5":
+        return Qwen3_5TextConfig(**common, **hybrid, tie_word_embeddings=True)
+    if family == "gpt_oss":
+        return GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+                            tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, head_dim=16, num_experts=4, tie_word_embeddings=False)
+    if family == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    if family == "deepseek_v3":  # MLA: every head has its own latent keys and values
+        return DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]}, **moe,
+                                n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
+                                first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MORE_FAMILIES}")
 
 
 def make_model(family: str, seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN):
@@ -148,7 +220,8 @@ def make_model(family: str, seed: int = 0, num_layers: int = LAYERS, hidden: int
     cfg.eos_token_id = tok.eos_token_id
     cfg.bos_token_id = tok.bos_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                             attn_implementation=attention_implementation("auto", cfg))
     # Random init at std 0.02 gives near-uniform next-token distributions; a larger output scale
     # makes greedy choices and acceptance decisions non-trivial in tests.
     with torch.no_grad():

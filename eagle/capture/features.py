@@ -18,7 +18,7 @@ from torch import nn
 
 from eagle.errors import CaptureError
 from eagle.shard import is_sharded
-from eagle.targets import aux_layer_problem, decoder_of
+from eagle.targets import aux_layer_problem, decoder_of, target_errors
 
 
 def check_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
@@ -46,7 +46,7 @@ def extract_features(
     # A sharded target runs under no_grad instead: FSDP keeps each layer's gathered-weights buffer from one
     # forward to the next, and one first allocated in inference mode could not be written outside it
     # (`eagle.shard.gathered`, a layer copied into the head).
-    with torch.no_grad() if is_sharded(model) else torch.inference_mode():
+    with torch.no_grad() if is_sharded(model) else torch.inference_mode(), target_errors(model):
         # use_cache=False: a KV cache would only cost memory here. The decoder (not the CausalLM)
         # is called so no [B, T, V] logits are computed.
         out: Any = decoder(

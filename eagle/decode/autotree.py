@@ -153,23 +153,29 @@ def time_verify_passes(
     windows: dict[str, int | None] | None,
     device: torch.device,
     reps: int = 5,
+    chain: bool = False,
 ) -> dict[int, float]:
     """Seconds of one verify pass (root + s nodes after `context_len` cached tokens) per size.
 
     Sizes are timed in interleaved rounds (a burst of interference hits every size alike instead of
     a few neighbours), each keeps its fastest run (the least disturbed), and the result is made
-    non-decreasing in s (`monotone_envelope`)."""
+    non-decreasing in s (`monotone_envelope`). `chain`: time chains of s nodes instead of flat trees (a
+    hybrid target verifies chains; its recurrent state is not rolled back here, the cache is thrown away)."""
     vocab = int(target.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    cache = new_cache()
+    cache = new_cache(target.config)
     ctx = torch.randint(0, vocab, (context_len,), generator=gen).to(device)
     target_forward(target, ctx, torch.arange(context_len, device=device), cache, windows=windows, last_logits_only=True)
     passes = {}
     for s in sorted(set(sizes)):
         toks = torch.randint(0, vocab, (s + 1,), generator=gen).to(device)
-        pos = context_len + torch.tensor([0] + [1] * s, device=device)  # root + s children: a flat tree
-        mask = torch.eye(s + 1, dtype=torch.bool, device=device)
-        mask[:, 0] = True
+        if chain:
+            pos = context_len + torch.arange(s + 1, device=device)
+            mask = torch.ones(s + 1, s + 1, dtype=torch.bool, device=device).tril()
+        else:
+            pos = context_len + torch.tensor([0] + [1] * s, device=device)  # root + s children: a flat tree
+            mask = torch.eye(s + 1, dtype=torch.bool, device=device)
+            mask[:, 0] = True
         passes[s] = (toks, pos, mask)
     runs: dict[int, list[float]] = {s: [] for s in passes}
     for i in range(reps + 1):

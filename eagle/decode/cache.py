@@ -4,12 +4,19 @@ A verify pass appends the root and all N tree nodes to the cache (slots past_len
 Only the root and the accepted nodes survive: their entries are gathered into consecutive slots and
 the rest is cropped, so accepted tokens are never recomputed. The same code serves the target's and
 the head's `transformers.DynamicCache`.
+
+Recurrent layers (a hybrid target's linear attention) hold one state for the whole sequence, which
+cannot be cropped: `RecurrentSnapshot` keeps a copy of it from before a verify pass so that the
+decoder can put it back and replay only the accepted tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import Cache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 
 def _layers(cache: Cache) -> list:
@@ -52,3 +59,32 @@ def keep_cache_entries(cache: Cache, start: int, keep: torch.Tensor) -> None:
 
 def cache_length(cache: Cache) -> int:
     return int(cache.get_seq_length())
+
+
+@dataclass
+class RecurrentSnapshot:
+    """Copies of every recurrent layer's conv and recurrent states, to restore after a partial acceptance."""
+
+    states: list[tuple[LinearAttentionCacheLayerMixin, dict[int, torch.Tensor | None], dict[int, torch.Tensor | None]]]
+
+    @classmethod
+    @torch.inference_mode()  # the states are inference tensors (written by target forwards)
+    def take(cls, cache: Cache) -> RecurrentSnapshot:
+        states = []
+        for layer in _layers(cache):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                conv = {i: None if t is None else t.clone() for i, t in layer.conv_states.items()}
+                rec = {i: None if t is None else t.clone() for i, t in layer.recurrent_states.items()}
+                states.append((layer, conv, rec))
+        return cls(states)
+
+    @torch.inference_mode()
+    def restore(self) -> None:
+        """Put the states back in place (copy_: the layers' tensors keep their addresses)."""
+        for layer, conv, rec in self.states:
+            for held, saved in ((layer.conv_states, conv), (layer.recurrent_states, rec)):
+                for i, t in saved.items():
+                    if t is None or held[i] is None or held[i].shape != t.shape:
+                        held[i] = t
+                    else:
+                        held[i].copy_(t)

@@ -39,7 +39,7 @@ from eagle.decode.autotree import (
     verify_time,
 )
 from eagle.decode.block import block_pool, sampled_chain
-from eagle.decode.cache import keep_cache_entries
+from eagle.decode.cache import RecurrentSnapshot, crop_cache, keep_cache_entries
 from eagle.decode.draft import (
     draft_pool,
     draft_sampled_chain,
@@ -49,7 +49,7 @@ from eagle.decode.draft import (
 )
 from eagle.decode.lookup import LookupStats, NgramLookup, graft_chain
 from eagle.decode.stopping import StopChecker, eos_ids
-from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.decode.target import layer_windows, new_cache, recurrent_layer_types, target_forward
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
@@ -82,6 +82,9 @@ class GenerationResult:
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per pass (grafted included)
     lookup_nodes: list[int] = field(default_factory=list)  # prompt-lookup nodes grafted per pass
     lookup_accepted: list[int] = field(default_factory=list)  # of those, accepted per pass
+    # Hybrid targets: target forwards that replayed the accepted tokens after a partial acceptance (their
+    # time is in timings.target_s; they are not verify passes, so not in target_forwards).
+    replays: int = 0
     timings: Timings = field(default_factory=Timings)
     stop_reason: str = "max_new_tokens"  # eos | stop_string | max_new_tokens
     # Distance of the emitted law from the target's over the verified positions (0 under exact acceptance).
@@ -137,6 +140,23 @@ class SpeculativeGenerator:
         self.lookup_stats = LookupStats(decode_cfg.lookup_tokens) if decode_cfg.lookup_tokens else None
         self.last_result: GenerationResult | None = None
         self.rule = AcceptanceRule.from_config(decode_cfg)
+        self.top_k = decode_cfg.tree_top_k  # children per drafted node
+        self.recurrent = bool(recurrent_layer_types(target.config))
+        if self.recurrent:
+            self._as_chains()
+
+    def _as_chains(self) -> None:
+        """A hybrid target's recurrent layers read a verify pass in order, so it verifies one path: the
+        head's top-1 chain (or its sampled chain), with no prompt-lookup branch grafted on."""
+        model_type = getattr(self.target.config, "model_type", "target")
+        if self.static is not None:
+            raise EagleError(f"decode.tree=static verifies a tree, but {model_type} has recurrent (linear-attention) "
+                             "layers, which verify one chain per pass: use decode.tree=auto or dynamic")
+        if self.lookup_stats is not None:
+            log.info("%s has recurrent layers: drafts are verified as chains, without prompt-lookup branches "
+                     "(decode.lookup_tokens=%d not used)", model_type, self.cfg.lookup_tokens)
+            self.lookup_stats = None
+        self.top_k = 1
 
     def _prepare_head(self, head: DraftHead, target_dtype: torch.dtype) -> DraftHead:
         """The head in `decode.draft_dtype`, with int8 linears under `decode.draft_weights=int8` (fbgemm's
@@ -203,11 +223,11 @@ class SpeculativeGenerator:
         if self.static is not None:
             return draft_static(self.head, head_cache, root, root_hidden, root_pos, self.static)
         if c.tree != "auto":
-            pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth)
+            pool = draft_pool(self.head, head_cache, root_hidden, root_pos, self.top_k, c.tree_depth)
             return tree_from_pool(pool, root, c.tree_total_tokens)
         # Auto: the head's probabilities scaled by how well they predicted acceptance so far; stop
         # drafting deeper when a level cannot pay for itself; keep the size that maximises tokens/s.
-        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, c.tree_top_k, c.tree_depth,
+        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, self.top_k, c.tree_depth,
                           min_gain=self._auto.min_level_gain())
         return self._auto_tree(pool, root)
 
@@ -217,7 +237,7 @@ class SpeculativeGenerator:
         log_probs = self.head.draft_block(head_cache, root, root_hidden, root_pos)  # [D, V] (inference mode)
         if self.sampled:
             return sampled_chain(log_probs, root, c.temperature, c.top_k, c.top_p, generator=self.rng)
-        pool = block_pool(log_probs, min(c.tree_top_k, log_probs.shape[-1]))
+        pool = block_pool(log_probs, min(self.top_k, log_probs.shape[-1]))
         if c.tree != "auto":
             return tree_from_pool(pool, root, c.tree_total_tokens)
         return self._auto_tree(pool, root)
@@ -265,11 +285,23 @@ class SpeculativeGenerator:
         or None for a head that keeps only the context (DFlash)."""
         return self.head.commit(hcache, tokens, features, positions)
 
+    def _replay(self, tcache, snapshot: RecurrentSnapshot, accepted: torch.Tensor, root_pos: int) -> float:
+        """After a partial acceptance on a hybrid target: recurrent states back to before the verify pass,
+        attention caches cropped to it, and the accepted path (root first, [m]) run again so that every
+        layer holds exactly it. Returns the seconds it took (target time)."""
+        t0 = time.perf_counter()
+        snapshot.restore()
+        crop_cache(tcache, root_pos)
+        m = accepted.numel()
+        target_forward(self.target, accepted, torch.arange(root_pos, root_pos + m, device=self.device), tcache,
+                       windows=self.windows, last_logits_only=True)
+        return time.perf_counter() - t0
+
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
         if self.verify_times is None:
             self.verify_times = time_verify_passes(self.target, self.cfg.auto_candidates, context_len,
-                                                   self.windows, self.device)
+                                                   self.windows, self.device, chain=self.recurrent)
         return self.verify_times
 
     # --- decoding --------------------------------------------------------------------------------
@@ -282,7 +314,7 @@ class SpeculativeGenerator:
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
         stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
-        tcache, hcache = new_cache(), self.head.new_draft_cache()
+        tcache, hcache = new_cache(self.target.config), self.head.new_draft_cache()
         n = prompt.numel()
         lookup = None
 
@@ -309,6 +341,7 @@ class SpeculativeGenerator:
             chain = lookup.propose(self.cfg.lookup_tokens) if lookup is not None else []
             tree, grafted = self._graft(tree, chain)
             t1 = time.perf_counter()
+            snapshot = RecurrentSnapshot.take(tcache) if self.recurrent else None
             out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
                                  feature_layer_ids=self.feature_ids, windows=self.windows)
             t2 = time.perf_counter()
@@ -317,7 +350,11 @@ class SpeculativeGenerator:
             res.shift.add(shift)
             if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
                 self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
-            keep_cache_entries(tcache, root_pos, acc.nodes)
+            if snapshot is not None and acc.nodes.numel() <= tree.size:
+                t2 += self._replay(tcache, snapshot, tree.tokens[acc.nodes], root_pos)
+                res.replays += 1
+            else:
+                keep_cache_entries(tcache, root_pos, acc.nodes)
             emitted = stop.push(acc.tokens)
             res.tokens += emitted
             res.target_forwards += 1
@@ -378,7 +415,7 @@ def autoregressive_generate(
     prompt = _as_ids(input_ids, device)
     res = GenerationResult(tokens=[], target_forwards=0)
     stop = StopChecker(tokenizer, eos_ids(tokenizer, target), c.stop_strings, c.max_new_tokens)
-    cache = new_cache()
+    cache = new_cache(target.config)
     ids, pos = prompt, torch.arange(prompt.numel(), device=device)
     while True:
         t0 = time.perf_counter()

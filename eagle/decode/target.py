@@ -8,8 +8,13 @@ the mask we build is exactly what every layer sees:
     would lose their window with a plain 4D mask, so we AND the window in ourselves from position
     ids (key visible iff q_pos - k_pos < window, transformers' own rule). Models with several layer
     types get a {layer_type: mask} dict, which those models accept in place of their own masks.
-  * The cache is a config-less `DynamicCache` (full layers): sliding layers keep all keys and the
-    mask hides the old ones, so cropping and gathering after verification is uniform.
+  * The cache holds full attention layers (`DynamicLayer`) for every attention type: sliding layers
+    keep all keys and the mask hides the old ones, so cropping and gathering after verification is
+    uniform.
+  * Recurrent (linear-attention) layers of hybrid targets (Qwen3-Next, Qwen3.5: Gated DeltaNet) take
+    no mask: they read the new tokens in order, so a verify pass over them must be a chain, and their
+    state cannot be cropped. Their cache layers (`LinearAttentionLayer`) are snapshotted before a
+    verify pass and rolled back by the decoder (`eagle.decode.cache.RecurrentSnapshot`).
 """
 
 from __future__ import annotations
@@ -20,12 +25,24 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from eagle.errors import TargetError
-from eagle.targets import text_config
+from eagle.targets import MASKABLE_ATTENTION, target_errors, text_config
 
 _WINDOWED = ("sliding_attention",)
 _FULL = ("full_attention",)
+# Layer types whose cache is a recurrent state (transformers' LinearAttentionLayer), not keys and values.
+RECURRENT_TYPES = ("linear_attention",)
+
+
+def _layer_types(config: Any) -> list[str]:
+    return list(getattr(text_config(config), "layer_types", None) or [])
+
+
+def recurrent_layer_types(config: Any) -> set[str]:
+    """The target's recurrent layer types (empty for attention-only targets)."""
+    return {t for t in _layer_types(config) if t in RECURRENT_TYPES}
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:
@@ -43,10 +60,10 @@ def layer_windows(config: Any) -> dict[str, int | None]:
             out[t] = window
         elif t in _FULL:
             out[t] = None
-        else:
+        elif t not in RECURRENT_TYPES:  # recurrent layers take no mask (build_attention_mask)
             raise TargetError(
-                f"target layer type {t!r} ({text.model_type}) cannot verify a draft tree with an attention mask; "
-                "speculative tree decoding supports full and sliding-window attention layers"
+                f"target layer type {t!r} ({text.model_type}) cannot verify drafts: speculative decoding "
+                f"supports full and sliding-window attention layers and {', '.join(RECURRENT_TYPES)} layers"
             )
     return out
 
@@ -54,10 +71,10 @@ def layer_windows(config: Any) -> dict[str, int | None]:
 def check_attention(model: Any) -> str:
     """The attention implementation, if it can take a custom 4D mask."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
+    if impl not in MASKABLE_ATTENTION:
         raise TargetError(
             f"attn_implementation={impl!r} cannot take a tree attention mask; load the target with "
-            "target.attn_implementation=sdpa (or eager)"
+            "target.attn_implementation=auto (sdpa or eager, whichever the family runs)"
         )
     return impl
 
@@ -68,7 +85,7 @@ def build_attention_mask(
     past_len: int,
     position_ids: torch.Tensor,  # [T_q] positions of the new tokens
     windows: dict[str, int | None] | None = None,
-) -> torch.Tensor | dict[str, torch.Tensor]:
+) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The mask argument for a target forward of T_q new tokens after `past_len` cached ones.
 
     Cached tokens are the plain sequence 0 .. past_len - 1 (positions = indices), all visible except
@@ -80,7 +97,7 @@ def build_attention_mask(
     device = tree_mask.device
     base = torch.cat([torch.ones(tq, past_len, dtype=torch.bool, device=device), tree_mask], dim=1)  # [T_q, T_kv]
     k_pos = torch.cat([torch.arange(past_len, device=device), position_ids])  # [T_kv]
-    masks: dict[str, torch.Tensor] = {}
+    masks: dict[str, torch.Tensor | None] = {t: None for t in recurrent_layer_types(model.config)}
     for layer_type, window in windows.items():
         m = base
         if window:
@@ -115,9 +132,15 @@ def _takes_logits_to_keep(model: Any) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def new_cache() -> DynamicCache:
-    """A cache of full (uncropped) layers; see the module docstring for why no config is passed."""
-    return DynamicCache()
+def new_cache(config: Any = None) -> DynamicCache:
+    """A cache of full (uncropped) attention layers, and the target's own recurrent layers where
+    `config` (the target's HF config) has any; see the module docstring for why sliding layers are full."""
+    if config is None or not recurrent_layer_types(config):
+        return DynamicCache()
+    cache = DynamicCache(config=config)  # LinearAttentionLayer for recurrent types, in layer order
+    types = _layer_types(config)
+    cache.layers = [layer if t in RECURRENT_TYPES else DynamicLayer() for t, layer in zip(types, cache.layers, strict=True)]
+    return cache
 
 
 @torch.inference_mode()
@@ -137,18 +160,24 @@ def target_forward(
     over a whole prompt is the largest product of the pass (SmolLM2: 49,152 x 576 per position).
     """
     past = cache.get_seq_length()
+    causal = torch.ones(input_ids.numel(), input_ids.numel(), dtype=torch.bool, device=input_ids.device).tril()
     if tree_mask is None:
-        tree_mask = torch.ones(input_ids.numel(), input_ids.numel(), dtype=torch.bool, device=input_ids.device).tril()
+        tree_mask = causal
+    elif recurrent_layer_types(model.config) and not torch.equal(tree_mask, causal):
+        # A recurrent layer reads the new tokens in order, each after all the ones before it.
+        raise TargetError(f"{text_config(model.config).model_type} has recurrent layers: a verify pass must be a "
+                          "chain (each token after all earlier ones), not a tree")
     mask = build_attention_mask(model, tree_mask, past, position_ids, windows)
-    out = model(
-        input_ids=input_ids[None],
-        position_ids=position_ids[None],
-        attention_mask=mask,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=bool(feature_layer_ids),
-        return_dict=True,
-        **({"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(model) else {}),
-    )
+    with target_errors(model):
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(feature_layer_ids),
+            return_dict=True,
+            **({"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(model) else {}),
+        )
     feats = select_features(out.hidden_states, feature_layer_ids)[0] if feature_layer_ids else None
     return TargetOutput(logits=out.logits[0], features=feats)
