@@ -361,3 +361,46 @@ def test_smollm2_mt_bench_greedy_match(tmp_path, smollm2):
     ]))
     assert r["greedy_match"] == 1.0
     assert r["settings"]["prompt_ids"] == ["81"]
+
+
+def test_acceptance_by_context_bucket_by_hand():
+    lengths, contexts = [1, 3, 2, 4, 1, 2], [10, 1023, 1024, 2047, 5000, 9000]
+    rows = metrics.by_context(lengths, contexts)
+    assert [(r["context"], r["steps"]) for r in rows] == [("<1K", 2), ("1-2K", 2), ("4-8K", 1), (">=8K", 1)]
+    assert rows[0]["tau"] == pytest.approx(2.0) and rows[1]["tau"] == pytest.approx(3.0)
+    assert rows[1]["accept_rate_by_depth"] == pytest.approx([1.0, 0.5, 1.0])  # drafts 1 and 3
+    with pytest.raises(ValueError, match="context lengths"):
+        metrics.by_context([1, 2], [5])
+
+
+def test_report_splits_acceptance_by_context(greedy_report):
+    """Every verify step is in one bucket, and the buckets' steps and tokens add up to the report's."""
+    rows = greedy_report["by_context"]
+    assert rows and rows[0]["context"] == "<1K"
+    steps = sum(len(p["accept_lengths"]) for p in greedy_report["per_prompt"])
+    assert sum(r["steps"] for r in rows) == steps
+    assert sum(r["tau"] * r["steps"] for r in rows) == pytest.approx(greedy_report["tau"] * steps)
+    for p in greedy_report["per_prompt"]:
+        contexts = p["context_lengths"]
+        assert len(contexts) == len(p["accept_lengths"])
+        # within a turn the context grows by what each step emitted
+        first = p["turns"][0]
+        steps0 = first["target_forwards"]
+        grown = [b - a for a, b in zip(contexts[:steps0 - 1], contexts[1:steps0], strict=True)]
+        assert grown == p["accept_lengths"][:steps0 - 1]
+        assert contexts[0] == first["prompt_tokens"]  # the prompt is cached; the prefill's token is the first root
+
+
+def test_humaneval_long_puts_each_problem_after_a_long_file_without_its_own_solution():
+    from eagle.data.eval_prompts import LONG_FILE_CHARS, humaneval_long, load_eval_prompts
+
+    short = {p.id: p.turns[0] for p in load_eval_prompts("humaneval")}
+    long = load_eval_prompts("humaneval_long")
+    assert len(long) == len(short) == 164 and len({p.id for p in long}) == 164
+    for i, p in enumerate(long[:8]):
+        task, _ = p.id.split("@")
+        text = p.turns[0]
+        assert text.endswith(short[task]) and len(p.turns) == 1
+        assert LONG_FILE_CHARS[i % 4] <= len(text) - len(short[task]) < LONG_FILE_CHARS[i % 4] + 5000
+        assert text.count(short[task]) == 1  # its own problem (and so its solution) is not in the file
+    assert humaneval_long((100,))[0].turns[0].endswith(short["HumanEval/0"])

@@ -1,4 +1,4 @@
-"""Evaluation prompt sets: MT-Bench, HumanEval (bundled) and local JSONL files.
+"""Evaluation prompt sets: MT-Bench, HumanEval, HumanEval behind long files (bundled) and local JSONL files.
 
 Used by the eval stage to build prompts and by the data stage to keep evaluation prompts out of
 the training data.
@@ -44,17 +44,46 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
+# humaneval_long: the file lengths (characters) before the problem, cycled over the problems. About 3.5
+# characters of Python per token (SmolLM2's tokenizer): roughly 1K, 2K, 4K and 7K tokens of context.
+LONG_FILE_CHARS = (4_000, 8_000, 16_000, 26_000)
+
+
+def humaneval_long(file_chars: tuple[int, ...] = LONG_FILE_CHARS) -> list[EvalPrompt]:
+    """Each HumanEval problem at the end of a long Python file: the problems after it (wrapping around)
+    with their reference solutions, until the file holds `file_chars[i % len]` characters. Held out as
+    HumanEval is (training data is deduplicated against it); acceptance by context length
+    (`eagle-eval`'s `by_context`) on code whose context really is long."""
+    rows = [r for _, r in _read_jsonl(asset_path("humaneval"))]
+    prompts = []
+    for i, row in enumerate(rows):
+        want = file_chars[i % len(file_chars)]
+        parts: list[str] = []
+        size, j = 0, i + 1
+        while size < want:
+            other = rows[j % len(rows)]
+            j += 1
+            if other is row:
+                continue
+            parts.append(other["prompt"] + other["canonical_solution"] + "\n\n")
+            size += len(parts[-1])
+        prompts.append(EvalPrompt(f"{row['task_id']}@{want // 1000}k", ["".join(parts) + row["prompt"]], "code-long"))
+    return prompts
+
+
 def load_eval_prompts(name: str) -> list[EvalPrompt]:
-    """Prompts of `mt_bench`, `humaneval`, or a local PATH.jsonl whose lines are
-    `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category"), in file order."""
+    """Prompts of `mt_bench`, `humaneval`, `humaneval_long`, or a local PATH.jsonl whose
+    lines are `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category"), in file order."""
     if name == "mt_bench":
         return [EvalPrompt(str(r["question_id"]), list(r["turns"]), r.get("category"))
                 for _, r in _read_jsonl(asset_path("mt_bench"))]
     if name == "humaneval":
         return [EvalPrompt(str(r["task_id"]), [r["prompt"]], "code") for _, r in _read_jsonl(asset_path("humaneval"))]
+    if name == "humaneval_long":
+        return humaneval_long()
     path = Path(name).expanduser()
     if path.suffix not in (".jsonl", ".gz"):
-        raise DataError(f"evaluation prompts {name!r}: use mt_bench, humaneval or a PATH.jsonl file")
+        raise DataError(f"evaluation prompts {name!r}: use mt_bench, humaneval, humaneval_long or a PATH.jsonl file")
     prompts = []
     for lineno, r in _read_jsonl(path):
         turns = r.get("turns", [r["prompt"]] if "prompt" in r else None)

@@ -79,6 +79,7 @@ class GenerationResult:
     target_forwards: int  # decoding target forwards, prefill excluded
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify pass (bonus included)
     accepted_depths: list[int] = field(default_factory=list)  # accepted draft nodes per verify pass
+    context_lengths: list[int] = field(default_factory=list)  # tokens read before each verify pass (prompt + new)
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per pass (grafted included)
     lookup_nodes: list[int] = field(default_factory=list)  # prompt-lookup nodes grafted per pass
     lookup_accepted: list[int] = field(default_factory=list)  # of those, accepted per pass
@@ -360,6 +361,7 @@ class SpeculativeGenerator:
             res.target_forwards += 1
             res.accept_lengths.append(len(emitted))
             res.accepted_depths.append(len(acc.tokens) - 1)
+            res.context_lengths.append(root_pos)
             res.tree_sizes.append(tree.size)
             accepted_drafts = len(acc.tokens) - 1
             if lookup is not None:
@@ -429,6 +431,7 @@ def autoregressive_generate(
             res.target_forwards += 1
             res.accept_lengths.append(1)
             res.accepted_depths.append(0)
+            res.context_lengths.append(int(pos[0]))
         res.tokens += stop.push([tok])
         if stop.done:
             break

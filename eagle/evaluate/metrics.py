@@ -69,3 +69,36 @@ def speedup(baseline_seconds: float, seconds: float) -> float | None:
     if seconds <= 0 or baseline_seconds <= 0:
         return None
     return baseline_seconds / seconds
+
+
+# Context buckets of `by_context` (tokens of prompt plus generated text before a verify step): upper edges.
+CONTEXT_EDGES = (1024, 2048, 4096, 8192)
+
+
+def context_bucket(context: int, edges: Sequence[int] = CONTEXT_EDGES) -> str:
+    """'<1K', '1-2K', '2-4K', '4-8K' or '>=8K' for the default edges (K = 1024 tokens)."""
+    def k(n: int) -> str:
+        return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+    if context < edges[0]:
+        return f"<{k(edges[0])}"
+    for low, high in zip(edges, edges[1:], strict=False):
+        if context < high:
+            return f"{k(low).removesuffix('K')}-{k(high)}" if low % 1024 == 0 else f"{low}-{k(high)}"
+    return f">={k(edges[-1])}"
+
+
+def by_context(accept_lengths: Sequence[int], context_lengths: Sequence[int],
+               edges: Sequence[int] = CONTEXT_EDGES) -> list[dict[str, object]]:
+    """tau and acceptance per context bucket, in bucket order, buckets with no step left out.
+
+    accept_lengths[i] and context_lengths[i] belong to the same verify step (the context is what the
+    target had read before it: prompt plus the text generated so far)."""
+    if len(accept_lengths) != len(context_lengths):
+        raise ValueError(f"{len(accept_lengths)} acceptance lengths but {len(context_lengths)} context lengths")
+    order = [context_bucket(0, edges)] + [context_bucket(e, edges) for e in edges]
+    steps: dict[str, list[int]] = {}
+    for n, ctx in zip(accept_lengths, context_lengths, strict=True):
+        steps.setdefault(context_bucket(int(ctx), edges), []).append(int(n))
+    return [{"context": b, "steps": len(steps[b]), "tau": tau(steps[b], len(steps[b])),
+             "accept_rate_by_depth": accept_rate_by_depth(steps[b])} for b in order if b in steps]

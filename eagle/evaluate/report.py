@@ -83,6 +83,7 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
         "new_tokens": sum(len(s["tokens"]) for s in spec),
         "target_forwards": sum(int(s["target_forwards"]) for s in spec),
         "accept_lengths": [int(n) for s in spec for n in s["accept_lengths"]],
+        "context_lengths": [int(n) for s in spec for n in s.get("context_lengths", [])],
         "tree_sizes": [int(n) for s in spec for n in s.get("tree_sizes", [])],
         "lookup_nodes": [int(n) for s in spec for n in s.get("lookup_nodes", [])],
         "lookup_accepted": [int(n) for s in spec for n in s.get("lookup_accepted", [])],
@@ -162,6 +163,13 @@ def distribution_shift(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _by_context(per_prompt: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    if any(len(p.get("context_lengths", [])) != len(p["accept_lengths"]) for p in per_prompt):
+        return []
+    return metrics.by_context([n for p in per_prompt for n in p["accept_lengths"]],
+                              [c for p in per_prompt for c in p["context_lengths"]])
+
+
 def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_depth: int | None = None,
               acceptance: dict[str, Any] | None = None) -> dict[str, Any]:
     """The headline numbers of a report, all recomputable from `per_prompt`. `acceptance`: the rule and
@@ -206,6 +214,9 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
         "accept_rate_by_depth": rates,
         "accept_fraction_by_depth": metrics.accept_fraction_by_depth(lengths, tree_depth),
         "accept_length_histogram": {str(k): v for k, v in metrics.histogram(lengths).items()},
+        # tau and acceptance per context bucket (prompt + generated so far before each step); reports written
+        # before the buckets existed hold no context lengths and get none.
+        "by_context": _by_context(per_prompt),
         "mean_tree_size": sum(sizes) / len(sizes) if sizes else None,
         # decode.lookup_tokens: prompt-lookup nodes grafted per step, and the share of the emitted
         # tokens that only those nodes drafted (tokens the head's own tree did not contain).
@@ -279,6 +290,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("lookup_nodes_per_step") is not None:
         lines.append(f"- prompt lookup: {_fmt(report['lookup_nodes_per_step'], 2)} grafted nodes per step; "
                      f"{_fmt(report.get('lookup_accepted_share'))} of the emitted tokens came from them")
+    if report.get("by_context"):
+        lines += ["", "| context (prompt + generated) | verify steps | tau | acceptance rate by depth |",
+                  "|---|---:|---:|---|"]
+        for row in report["by_context"]:
+            rates = ", ".join(_fmt(r) for r in row["accept_rate_by_depth"]) or "n/a"
+            lines.append(f"| {row['context']} | {row['steps']} | {_fmt(row['tau'])} | {rates} |")
     if report.get("tree_sweep"):
         lines += ["", "| tree size | tau | tokens/s | speedup vs HF generate |", "|---:|---:|---:|---:|"]
         for row in report["tree_sweep"]:

@@ -103,6 +103,7 @@ def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
             "seconds": seconds,
             "target_forwards": int(res.target_forwards),
             "accept_lengths": [int(n) for n in res.accept_lengths],
+            "context_lengths": [int(n) for n in res.context_lengths],
             "tree_sizes": [int(n) for n in res.tree_sizes],
             "lookup_nodes": [int(n) for n in res.lookup_nodes],
             "lookup_accepted": [int(n) for n in res.lookup_accepted],
