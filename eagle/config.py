@@ -60,6 +60,10 @@ class DataConfig:
     max_length: int = 2048  # tokens per rendered conversation
     overflow: str = "truncate"  # truncate | drop: what to do beyond max_length (always counted)
     system_prompt: str | None = None  # added to conversations that have none
+    # Whether an assistant turn's thinking (`reasoning_content`, as the chat template renders it) is trained:
+    # a reasoning target spends most of its tokens thinking, so a head that drafts them is the one that pays.
+    # false: only the answer (and tool calls) are trained; the thinking stays in the context.
+    train_on_reasoning: bool = True
     heldout_fraction: float = 0.02  # share kept out of training for validation
     split_seed: int = 0
     # Evaluation prompt sets whose prompts must not appear in the training data.
@@ -81,6 +85,11 @@ class RegenerateConfig:
     top_k: int = 0
     seed: int = 0
     max_turns: int | None = None  # regenerate only the first N assistant turns (None: all)
+    # A reasoning target's thinking (its text up to the chat template's `</think>`): keep = stored apart
+    # as the answer's `reasoning_content` (rendered and trained as the template and data.train_on_reasoning
+    # say); drop = left out of the record; off = the prompt rendered with the template's thinking switch
+    # off (enable_thinking=False), refused at start for a template that has none.
+    reasoning: str = "keep"
     # A turn whose prompt is longer than this ends the conversation there: training truncates at
     # data.max_length anyway, and the continuous engine's KV buffer holds
     # batch_size x (max_prompt_tokens + max_new_tokens) positions.
@@ -295,7 +304,7 @@ class DecodeConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: str = "mt_bench"  # mt_bench | humaneval | PATH.jsonl
+    prompts: str = "mt_bench"  # mt_bench | humaneval | humaneval_long (long-context code) | PATH.jsonl
     max_prompts: int | None = None
     turns: str = "first"  # first | all
     warmup_prompts: int = 1
@@ -400,6 +409,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens)
     _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)
     _positive("regenerate.max_turns", cfg.regenerate.max_turns)
+    _choice("regenerate.reasoning", cfg.regenerate.reasoning, ("keep", "drop", "off"))
     _positive("regenerate.max_prompt_tokens", cfg.regenerate.max_prompt_tokens)
     _choice("regenerate.backend", cfg.regenerate.backend, ("local", "server"))
     _choice("regenerate.server_engine", cfg.regenerate.server_engine,

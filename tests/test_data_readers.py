@@ -45,7 +45,20 @@ def test_normalise_both_formats_roles_and_system():
     ({"id": "x", "conversations": "hi"}, "must be a list"),
     ({"id": "x", "conversations": ["hi"]}, "turn 0: a turn must be an object"),
     ({"id": "x", "conversations": [{"speaker": "human", "text": "hi"}]}, "turn 0: a turn needs"),
-    ({"id": "x", "conversations": [{"from": "tool", "value": "hi"}]}, "unknown role 'tool'"),
+    ({"id": "x", "conversations": [{"from": "narrator", "value": "hi"}]}, "unknown role 'narrator'"),
+    ({"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                                               "reasoning_content": 3}]},
+     "turn 1: field 'reasoning_content' must be a string"),
+    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}]},
+     "turn 0: field 'tool_calls' must be a list"),
+    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]},
+     r"turn 0, tool_calls\[0\]: a call needs a function name"),
+    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{x"}]}]},
+     r"tool_calls\[0\]: 'arguments' is a string but not JSON"),
+    ({"id": "x", "messages": [{"role": "tool", "content": "r", "tool_call_id": 7}]},
+     "field 'tool_call_id' of a tool turn must be a string"),
+    ({"id": "x", "conversations": [{"from": "function_call", "value": "not json"}]},
+     "a 'function_call' turn's value must be a call's JSON"),
     ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "content must be a string"),
     ({"id": "x", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "not a text part"),
     ({"id": "x", "messages": [], "system": 5}, "'system' must be a string"),
@@ -185,3 +198,43 @@ def test_bundled_sharegpt_first_n_with_counted_skips():
     for c in convs:
         body = [m for m in c.messages if m["role"] != "system"]
         assert body[0]["role"] == "user" and body[-1]["role"] == "assistant"
+
+
+def test_reasoning_and_tool_calls_are_read_from_both_formats():
+    from eagle.data.records import normalise_record
+
+    openai = {"id": "t", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 18C.", "reasoning": "Answer with the result."}]}
+    conv = normalise_record(openai, index=0, source="f.jsonl")
+    call, tool, answer = conv.messages[1], conv.messages[2], conv.messages[3]
+    assert call["tool_calls"] == [{"type": "function", "id": "c1",
+                                   "function": {"name": "weather", "arguments": {"city": "Paris"}}}]
+    assert call["reasoning_content"] == "I should call the tool." and tool == {"role": "tool", "content": "18C",
+                                                                               "tool_call_id": "c1"}
+    assert answer["reasoning_content"] == "Answer with the result."
+    sharegpt = {"id": "s", "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+        {"from": "observation", "value": "18C"},
+        {"from": "gpt", "value": "It is 18C."}]}
+    conv = normalise_record(sharegpt, index=1, source="f.jsonl")
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
+    assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ([("user", "q"), ("tool", "r"), ("assistant", "a")], "tool_result_without_call"),
+    ([("user", "q"), ("assistant", "a"), ("tool", "r")], "tool_result_without_call"),  # the answer called no tool
+    ([("user", "q"), ("assistant", "")], "empty_turn"),
+])
+def test_tool_turns_follow_a_call(messages, reason):
+    from eagle.data.records import SkipRecord, normalise_record
+
+    record = {"id": "x", "messages": [{"role": r, "content": c} for r, c in messages]}
+    with pytest.raises(SkipRecord, match=reason):
+        normalise_record(record, index=0, source="f.jsonl")

@@ -157,7 +157,8 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
     convs, stats = load_conversations(cfg)
     tokenized: list[TokenizedConversation] = []
     for conv in tqdm(convs, desc="tokenize", unit="conv", disable=not progress):
-        tc, reason = tokenize_with_reason(conv, tokenizer, cfg.max_length, cfg.overflow)
+        tc, reason = tokenize_with_reason(conv, tokenizer, cfg.max_length, cfg.overflow,
+                                          train_on_reasoning=cfg.train_on_reasoning)
         if tc is None:
             if reason == "too_long":
                 stats.dropped_too_long += 1

@@ -11,12 +11,25 @@ Policy for bad records, decided per error class:
 An assistant message of an OpenAI-format record may carry `"token_ids"`: the ids the target generated
 for it (`eagle-regenerate` writes them). They are kept on the normalised message, and tokenisation
 uses them in place of a re-tokenisation of the text (`eagle.data.template`). A value other than a
-non-empty list of non-negative integers (or null, for "none") is a schema error. ShareGPT records,
-and turns other than the assistant's, are read as before: role and content only.
+non-empty list of non-negative integers (or null, for "none") is a schema error.
+
+Reasoning and tools, in either format (OpenAI field names; ShareGPT dumps of tool-using models write
+them the same way):
+  * an assistant turn's `reasoning_content` (or `reasoning`, vLLM's newer name): its thinking, a string;
+  * an assistant turn's `tool_calls`: a list of `{"type": "function", "function": {"name", "arguments"}}`
+    (or the flat `{"name", "arguments"}`), arguments an object or a JSON string of one. Stored in the
+    OpenAI shape with arguments as an object, which is what chat templates render;
+  * `tool` turns (also `function`, `observation`, `ipython`): a tool's result, with optional
+    `tool_call_id` / `name`. Results are rendered by the template as the target saw them, never run;
+  * a ShareGPT `function_call` turn: an assistant turn whose value is the JSON of one call.
+A malformed field is a schema error naming the record, the turn and the field. The chat template decides
+how (and whether: Qwen3 drops earlier turns' thinking) each is rendered; the loss mask follows the
+rendering (`eagle.data.template`), `data.train_on_reasoning` says whether thinking tokens are trained.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +46,11 @@ ROLE_MAP: dict[str, str] = {
     "bing": "assistant",
     "bard": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+    "function_call": "assistant",  # ShareGPT tool-call turn: the value is the call's JSON
 }
 
 
@@ -40,8 +58,9 @@ ROLE_MAP: dict[str, str] = {
 class Conversation:
     """A conversation in the toolkit's normalised form: roles are system | user | assistant.
 
-    Each message has `role` and `content`; an assistant message may also hold `token_ids` (the ids
-    the target generated for it, see the module docstring)."""
+    Each message has `role` (system | user | assistant | tool) and `content`; an assistant message may
+    also hold `token_ids` (the ids the target generated for it), `reasoning_content` and `tool_calls`, a
+    tool message `tool_call_id` and `name` (see the module docstring)."""
 
     id: str
     messages: list[dict[str, Any]]
@@ -89,6 +108,77 @@ def _token_ids_of(value: Any, where: str) -> list[int]:
         found = f"element {k} = {str(bad)[:60]!r} ({type(bad).__name__})"
     raise DataError(f"{where}: field 'token_ids' must be a non-empty list of token ids (non-negative integers); "
                     f"found {found}. Fix or drop the field (without it the content's text is tokenised)")
+
+
+def _reasoning_of(turn: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's thinking: `reasoning_content` or `reasoning` (a string; null = none)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = turn.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {key!r} must be a string (the turn's thinking), got "
+                            f"{type(value).__name__} {str(value)[:60]!r}; fix or drop the field")
+        return value
+    return None
+
+
+def _arguments_of(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: 'arguments' is a string but not JSON ({e.msg}): {value[:60]!r}; a tool "
+                            "call's arguments must be an object or the JSON text of one") from e
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: 'arguments' must be an object (or the JSON text of one), got "
+                        f"{type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
+def _tool_calls_of(value: Any, where: str) -> list[dict[str, Any]]:
+    """`tool_calls` in the OpenAI shape, arguments as objects (what chat templates render)."""
+    if not isinstance(value, list):
+        raise DataError(f"{where}: field 'tool_calls' must be a list of calls, got {type(value).__name__}")
+    calls = []
+    for k, call in enumerate(value):
+        at = f"{where}, tool_calls[{k}]"
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise DataError(f"{at}: a call needs a function name: {{'type': 'function', 'function': {{'name': ..., "
+                            f"'arguments': {{...}}}}}} or {{'name': ..., 'arguments': ...}}; got {str(call)[:80]!r}")
+        out: dict[str, Any] = {"type": "function",
+                               "function": {"name": fn["name"], "arguments": _arguments_of(fn.get("arguments", {}), at)}}
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
+
+
+def _message_of(turn: dict[str, Any], raw_role: str, content: Any, fmt_name: str, at: str) -> dict[str, Any]:
+    """A normalised message from one turn (role already checked)."""
+    role = ROLE_MAP[raw_role.strip().lower()]
+    if raw_role.strip().lower() == "function_call":  # ShareGPT: the value is one call's JSON, no text
+        try:
+            call = json.loads(content) if isinstance(content, str) else content
+        except json.JSONDecodeError as e:
+            raise DataError(f"{at}: a 'function_call' turn's value must be a call's JSON ({e.msg})") from e
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls_of([call], at)}
+    message: dict[str, Any] = {"role": role, "content": _text_of(content, at) if content is not None else ""}
+    if role == "assistant":
+        if fmt_name == "openai" and turn.get("token_ids") is not None:
+            message["token_ids"] = _token_ids_of(turn["token_ids"], at)
+        if (reasoning := _reasoning_of(turn, at)) is not None:
+            message["reasoning_content"] = reasoning
+        if turn.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls_of(turn["tool_calls"], at)
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if turn.get(key) is not None:
+                if not isinstance(turn[key], str):
+                    raise DataError(f"{at}: field {key!r} of a tool turn must be a string, got {type(turn[key]).__name__}")
+                message[key] = turn[key]
+    return message
 
 
 def detect_format(record: dict[str, Any], fmt: str, where: str) -> tuple[str, str]:
@@ -150,10 +240,7 @@ def normalise_record(
         if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_MAP:
             raise DataError(f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
                             "Filter or rename these turns")
-        message: dict[str, Any] = {"role": ROLE_MAP[raw_role.strip().lower()], "content": _text_of(content, at)}
-        if fmt_name == "openai" and message["role"] == "assistant" and turn.get("token_ids") is not None:
-            message["token_ids"] = _token_ids_of(turn["token_ids"], at)
-        messages.append(message)
+        messages.append(_message_of(turn, raw_role, content, fmt_name, at))
 
     record_system = record.get("system")
     if record_system is not None and not isinstance(record_system, str):
@@ -172,20 +259,34 @@ def trim_trailing(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages[: last + 1]
 
 
+def _is_empty(m: dict[str, Any]) -> bool:
+    """No text, no thinking and no tool call: nothing to render or train."""
+    return not m["content"].strip() and not (m.get("reasoning_content") or "").strip() and not m.get("tool_calls")
+
+
 def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Raise `SkipRecord` unless: optional leading system, then user/assistant alternating from user,
-    no empty turn, and at least one assistant turn. Strict alternation is what most chat templates
-    (Mistral, Gemma, Llama-2) enforce; checking it here turns template exceptions into counted skips."""
+    """Raise `SkipRecord` unless: optional leading system, then turns from a user turn on where a user turn
+    is followed by the assistant, the assistant by the user, or (when it called tools) by tool results,
+    and tool results by more results or the assistant; no empty turn; at least one assistant turn.
+    Strict alternation is what most chat templates (Mistral, Gemma, Llama-2) enforce; checking it here
+    turns template exceptions into counted skips."""
     if not messages:
         raise SkipRecord("empty_conversation")
-    if any(not m["content"].strip() for m in messages):
+    if any(_is_empty(m) for m in messages):
         raise SkipRecord("empty_turn")
     body = messages[1:] if messages[0]["role"] == "system" else messages
     if not any(m["role"] == "assistant" for m in body):
         raise SkipRecord("no_assistant_turn")
     if body[0]["role"] != "user":
         raise SkipRecord("starts_with_assistant" if body[0]["role"] == "assistant" else "misplaced_system")
-    for k, m in enumerate(body):
-        expected = "user" if k % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            raise SkipRecord("misplaced_system" if m["role"] == "system" else "roles_not_alternating")
+    for prev, m in zip(body, body[1:], strict=False):
+        if m["role"] == "system":
+            raise SkipRecord("misplaced_system")
+        if m["role"] == "tool":
+            ok = prev["role"] == "tool" or (prev["role"] == "assistant" and bool(prev.get("tool_calls")))
+            if not ok:
+                raise SkipRecord("tool_result_without_call")
+        elif m["role"] == "assistant" and prev["role"] not in ("user", "tool"):
+            raise SkipRecord("roles_not_alternating")
+        elif m["role"] == "user" and prev["role"] != "assistant":
+            raise SkipRecord("roles_not_alternating")

@@ -14,6 +14,13 @@ local engines; servers whose engine returns them), the generated ids (`"token_id
 excluded). Training tokenises an answer as these ids, not as a re-tokenisation of its text, which
 differs for many answers (`eagle.data.template`).
 
+Reasoning targets (`regenerate.reasoning`): the thinking the target writes before its `</think>` is split
+off its answer and stored as `reasoning_content` (keep), left out (drop), or not asked for (off: the
+prompt rendered with the template's `enable_thinking=False`). A split answer keeps no token ids (its
+ids hold both parts; training tokenises the rendered text). Tool calls and results of the source
+conversation are replayed as they are (never executed: a tool-calling turn is kept verbatim with its
+results); the answers after them are regenerated.
+
 Output: JSONL, one `{"id", "messages"}` record (OpenAI format) per conversation, readable by
 `data=local data.path=...`, in the order conversations finish. Resumable: records are appended as
 they finish with flush+fsync;
@@ -143,6 +150,27 @@ def _check_meta(path: Path, settings: dict[str, Any]) -> None:
     os.replace(tmp, meta)
 
 
+THINK_END = "</think>"  # where a reasoning model's thinking ends (Qwen3, DeepSeek-R1, ...)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(thinking, answer) of a generated text: thinking is what comes before the first `</think>` (an
+    opening `<think>` removed), None when there is none."""
+    if THINK_END not in text:
+        return None, text
+    thinking, answer = text.split(THINK_END, 1)
+    return thinking.replace("<think>", "", 1).strip(), answer.strip()
+
+
+def check_reasoning_setting(tokenizer: Any, cfg: RegenerateConfig) -> None:
+    """regenerate.reasoning=off needs a template with a thinking switch; refused at start otherwise."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if cfg.reasoning == "off" and "enable_thinking" not in template:
+        raise DataError(f"regenerate.reasoning=off renders prompts with enable_thinking=False, but the chat "
+                        f"template of {getattr(tokenizer, 'name_or_path', 'the target')!r} has no such switch "
+                        "(no 'enable_thinking' in it); use regenerate.reasoning=keep or drop")
+
+
 class ConversationJob(Job):
     """One conversation replayed turn by turn: each assistant turn is replaced by the target's answer
     to the regenerated history before it. `on_done(record)` is called once, when nothing is left.
@@ -156,20 +184,24 @@ class ConversationJob(Job):
         self.id = conversation.id
         self.tokenizer, self.cfg, self.on_done = tokenizer, cfg, on_done
         self.pending = list(conversation.messages)  # turns still to replay
-        self.history: list[dict[str, str]] = []  # the regenerated conversation so far
+        self.history: list[dict[str, Any]] = []  # the regenerated conversation so far
         self.token_ids: dict[int, list[int]] = {}  # history index of an answer -> its generated ids, where kept
         self.prompt_text = ""  # the rendered prompt of the last `next_prompt()`
         self.answered = 0
         self.record: dict[str, Any] | None = None
 
     def next_prompt(self) -> list[int] | None:
-        while self.pending and self.pending[0]["role"] != "assistant":
+        # Turns that are not answers to regenerate join the history as they are: user and tool turns, and
+        # the source's tool-calling turns (the target's own call could differ, and nothing runs a tool to
+        # answer it; the source's results answer the source's calls).
+        while self.pending and (self.pending[0]["role"] != "assistant" or self.pending[0].get("tool_calls")):
             self.history.append(self.pending.pop(0))
         ids: list[int] = []
-        if self.pending and self.history and self.history[-1]["role"] == "user" and (
+        if self.pending and self.history and self.history[-1]["role"] in ("user", "tool") and (
                 self.cfg.max_turns is None or self.answered < self.cfg.max_turns):
             try:
-                text = render(self.tokenizer, self.history, add_generation_prompt=True)
+                switch = {"enable_thinking": False} if self.cfg.reasoning == "off" else {}
+                text = render(self.tokenizer, self.history, add_generation_prompt=True, **switch)
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
                 self.prompt_text = text
             except TemplateFailure:
@@ -189,10 +221,13 @@ class ConversationJob(Job):
     def finish_text(self, text: str, token_ids: list[int] | None = None) -> None:
         """The answer as text (the ids' decoding, special tokens skipped), with its ids where known."""
         self.pending.pop(0)  # the original answer is replaced
-        reply = text.strip()
+        thinking, reply = split_reasoning(text.strip())
+        message: dict[str, Any] = {"role": "assistant", "content": reply}
+        if thinking is not None and self.cfg.reasoning == "keep":
+            message["reasoning_content"] = thinking
         if reply:
-            self.history.append({"role": "assistant", "content": reply})
-            if token_ids is not None:
+            self.history.append(message)
+            if token_ids is not None and thinking is None:
                 self.token_ids[len(self.history) - 1] = token_ids
             self.answered += 1
         else:
@@ -344,6 +379,7 @@ def regenerate(target: Any, tokenizer: Any, conversations: list[Conversation], c
     `eagle.data.server.ServerBackend`). `target_fingerprint` names the target whose tokenizer and chat
     template render the prompts. `data` (the settings `conversations` were read with) is recorded too,
     so a resume on other data is refused rather than appended."""
+    check_reasoning_setting(tokenizer, cfg)
     backend = target if isinstance(target, RegenerationBackend) else LocalBackend(target)
     who = backend.start(tokenizer, cfg)  # a server backend checks every server here, before anything is written
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -77,13 +77,18 @@ def require_chat_template(tokenizer: Any) -> None:
         )
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    """The chat template's text for `messages` (no tokenisation)."""
+# What the template renders of a message (eagle.data.records); stored token ids are spliced in afterwards.
+RENDERED_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, **template_kwargs: Any) -> str:
+    """The chat template's text for `messages` (no tokenisation); `template_kwargs` go to the template
+    (e.g. enable_thinking=False)."""
     require_chat_template(tokenizer)
-    # Role and content only: the template renders the text; stored token ids are spliced in afterwards.
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    messages = [{k: m[k] for k in RENDERED_KEYS if k in m} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
     except TargetError:
         raise
     except Exception as e:  # jinja's TemplateError from raise_exception(), or anything a template does
@@ -155,6 +160,12 @@ def _locate_answers(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str
         prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         found = upto.rfind(content, len(prompt)) if upto.startswith(prompt) else -1
+        if not content and found >= 0 and full.startswith(upto):
+            # No text (a turn that only calls tools): the answer is all the template rendered for it.
+            end = len(prompt) + _end_of_tail(upto[len(prompt):], specials)
+            answers.append(_Answer(i, (len(prompt), end), (end, end), True, end))
+            cursor = end
+            continue
         if found >= 0 and full.startswith(upto):
             content_end = found + len(content)
             end = content_end + _end_of_tail(upto[content_end:], specials)
@@ -163,13 +174,29 @@ def _locate_answers(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str
             cursor = end
             continue
         fallbacks += 1
-        found = full.find(content, cursor)
+        found = full.find(content, cursor) if content else -1
         if found < 0:
-            continue  # the template rewrote the content: this turn stays unmasked (and is counted)
+            continue  # the template rewrote the content (or it has none): this turn stays unmasked (and is counted)
         end = _specials_right_after(full, found + len(content), specials)
         answers.append(_Answer(i, (found, end), (found, found + len(content)), False, found + len(content)))
         cursor = end
     return full, answers, fallbacks
+
+
+def without_reasoning(text: str, answers: list[_Answer], messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The answers' spans with each turn's rendered thinking (its `reasoning_content`, as the template put it
+    inside the answer) cut out: `data.train_on_reasoning=false`. A turn whose thinking the template did not
+    render (Qwen3: earlier turns) keeps its span."""
+    spans: list[tuple[int, int]] = []
+    for a in answers:
+        reasoning = (messages[a.index].get("reasoning_content") or "").strip()
+        start, end = a.span
+        k = text.find(reasoning, start, end) if reasoning else -1
+        if k < 0:
+            spans.append((start, end))
+            continue
+        spans += [piece for piece in ((start, k), (k + len(reasoning), end)) if piece[1] > piece[0]]
+    return spans
 
 
 def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]], int]:
@@ -369,7 +396,8 @@ _CUT_MARGIN_TOKENS = 64  # tokens tokenised past max_length, so the cut of the t
 
 
 def tokenize_with_reason(
-    conv: Conversation, tokenizer: Any, max_length: int, overflow: str, use_offsets: bool | None = None
+    conv: Conversation, tokenizer: Any, max_length: int, overflow: str, use_offsets: bool | None = None,
+    train_on_reasoning: bool = True,
 ) -> tuple[TokenizedConversation | None, str | None]:
     """Like `tokenize_conversation`, also saying why a conversation was dropped:
     'too_long' (overflow=drop), 'empty_loss_mask', or 'template_error'."""
@@ -377,7 +405,7 @@ def tokenize_with_reason(
         text, answers, fallbacks = _locate_answers(tokenizer, conv.messages)
     except TemplateFailure:
         return None, "template_error"
-    spans = [a.span for a in answers]
+    spans = [a.span for a in answers] if train_on_reasoning else without_reasoning(text, answers, conv.messages)
     splices, unusable = _plan_splices(tokenizer, text, conv.messages, answers)
     # ShareGPT turns run to 100k characters; with max_length in the thousands most of that text is
     # cut anyway. Tokenise a prefix of the text that yields a margin of tokens past max_length (a cut
@@ -401,7 +429,7 @@ def tokenize_with_reason(
 
 
 def tokenize_conversation(
-    conv: Conversation, tokenizer: Any, max_length: int, overflow: str
+    conv: Conversation, tokenizer: Any, max_length: int, overflow: str, train_on_reasoning: bool = True
 ) -> TokenizedConversation | None:
     """Render `conv` with the tokenizer's chat template and mask the assistant tokens.
 
@@ -412,7 +440,7 @@ def tokenize_conversation(
     """
     if overflow not in ("truncate", "drop"):
         raise ValueError(f"overflow={overflow!r} is not one of truncate, drop")
-    return tokenize_with_reason(conv, tokenizer, max_length, overflow)[0]
+    return tokenize_with_reason(conv, tokenizer, max_length, overflow, train_on_reasoning=train_on_reasoning)[0]
 
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:
