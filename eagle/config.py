@@ -39,13 +39,13 @@ class TargetConfig:
     # auto: sdpa where the family's transformers class runs it, eager elsewhere (gpt-oss and its sinks).
     attn_implementation: str = "auto"
     # auto | stock | transposed: how float32 CPU linears of 2-32 rows (verify passes; also batched
-    # regeneration's decode steps) are computed; auto times both kernels once at load (eagle/cpu_gemm.py).
+    # regeneration's decode steps) are computed; auto times both kernels once at load (eagle/target/cpu_gemm.py).
     cpu_gemm: str = "auto"
     # none | fsdp: how each process of a multi-process eagle-capture / eagle-train holds the frozen target.
     # none: whole in every process. fsdp: FSDP2 shards of its decoder layers (each layer all-gathered for its
     # forward), embeddings, final norm and LM head whole in every process (the head reads them every step);
     # for targets one device cannot hold. Needs N > 1 processes (torchrun / accelerate launch); features are
-    # the same either way. Decoding stages (eagle-eval, eagle-regenerate) refuse it (eagle/shard.py).
+    # the same either way. Decoding stages (eagle-eval, eagle-regenerate) refuse it (eagle/target/shard.py).
     shard: str = "none"
 
 

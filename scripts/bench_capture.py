@@ -27,7 +27,8 @@ from eagle.capture.runner import (
 )
 from eagle.cli.app import compose
 from eagle.data.dataset import build_splits, data_fingerprint
-from eagle.targets import default_aux_layer_ids, load_target
+from eagle.target.loading import load_target
+from eagle.target.structure import default_aux_layer_ids
 
 
 def main(argv: list[str] | None = None) -> None:

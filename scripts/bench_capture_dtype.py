@@ -38,7 +38,7 @@ from eagle.capture.store import (
 )
 from eagle.cli.app import compose
 from eagle.fileio import atomic_write_text
-from eagle.precision import DTYPES
+from eagle.target.precision import DTYPES
 from eagle.train.trainer import train
 
 FEATURES = ("final_hidden", "aux_hidden")

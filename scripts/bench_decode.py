@@ -17,7 +17,7 @@ never for an approximate `decode.acceptance` (its report says `lossless: false`;
 With several --dtypes every dtype is measured in the same process, on the same prompts and threads,
 one after the other (OUTPUT_DIR/DTYPE/), and a last table compares them; --draft-weights does the same
 for the head's weights (int8 linears, dynamic or weight-only, against the full-precision head), in every dtype, and
---cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/cpu_gemm.py), --lookup-tokens for
+--cpu-gemm for the target's kernel for float32 products of 2-32 rows (eagle/target/cpu_gemm.py), --lookup-tokens for
 prompt-lookup chains grafted onto the head's tree (decode.lookup_tokens, 0 = off), --draft-choice for how
 the head drafts at temperature > 0 (decode.draft_choice: topk trees or sampled chains). Per step it also times a
 verify pass against a bare causal forward of as many tokens (`model(...)` on a chain), and the
@@ -33,15 +33,15 @@ from pathlib import Path
 import torch
 
 from eagle.cli.app import compose
-from eagle.cpu_gemm import CPU_GEMM, median_ms
 from eagle.decode.cache import crop_cache
 from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.decode.tree import tree_mask
 from eagle.errors import EagleError
 from eagle.evaluate import evaluate
 from eagle.export import load_draft
-from eagle.precision import DRAFT_WEIGHTS, DTYPE_NAMES
-from eagle.targets import load_target
+from eagle.target.cpu_gemm import CPU_GEMM, median_ms
+from eagle.target.loading import load_target
+from eagle.target.precision import DRAFT_WEIGHTS, DTYPE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HEAD = REPO / "heads" / "smollm2-135m-instruct-eagle3"

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.cli.app import compose
-from eagle.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
 from eagle.decode.cache import crop_cache
 from eagle.decode.target import layer_windows, new_cache, target_forward
 from eagle.evaluate.report import hardware_info
-from eagle.targets import load_target
+from eagle.target.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
+from eagle.target.loading import load_target
 
 
 def main(argv: list[str] | None = None) -> int:

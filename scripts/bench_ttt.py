@@ -26,7 +26,7 @@ import torch
 from eagle.algorithms import get_algorithm
 from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.cli.app import compose
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 
 
 def _batch(b: int, t: int, vocab: int, aux: int, hidden: int, seed: int) -> dict:

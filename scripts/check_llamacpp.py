@@ -39,7 +39,8 @@ from eagle.evaluate.baselines import encode_chat
 from eagle.export import check_folder
 from eagle.export.formats import algorithm_of
 from eagle.export.llamacpp import local_target
-from eagle.targets import load_tokenizer, resolve_target_path
+from eagle.target.loading import load_tokenizer
+from eagle.target.resolve import resolve_target_path
 
 ACCEPT_MARGIN = 0.05
 

@@ -41,7 +41,7 @@ from eagle.config import DataConfig
 from eagle.data.dataset import load_conversations
 from eagle.data.records import Conversation
 from eagle.data.template import render, tokenize_with_reason
-from eagle.targets import load_tokenizer
+from eagle.target.loading import load_tokenizer
 
 NO_LIMIT = 10**9  # max_length: nothing is cut
 

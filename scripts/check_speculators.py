@@ -35,7 +35,7 @@ def reference(args: argparse.Namespace) -> int:
     from eagle.config import TargetConfig
     from eagle.data.eval_prompts import load_eval_prompts
     from eagle.export import load_exported_head
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
 
     torch.set_num_threads(max(1, args.threads))
     model, tok, _ = load_target(TargetConfig(path=args.target))

@@ -32,7 +32,8 @@ def prepare(args: argparse.Namespace) -> int:
     from eagle.data.eval_prompts import load_eval_prompts
     from eagle.export import check_folder, resolve_head_source, write_export
     from eagle.export.formats import algorithm_of
-    from eagle.targets import load_tokenizer, resolve_target_path
+    from eagle.target.loading import load_tokenizer
+    from eagle.target.resolve import resolve_target_path
 
     target_cfg = TargetConfig(path=args.target)
     target, _ = resolve_target_path(target_cfg)

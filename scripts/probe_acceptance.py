@@ -48,7 +48,7 @@ from eagle.data.regenerate import first_turn_prompt
 from eagle.data.template import end_of_turn_ids
 from eagle.evaluate.baselines import encode_chat
 from eagle.export.loader import load_draft
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 from eagle.train.metrics import MetricSums
 
 

@@ -47,9 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def bf16_anywhere(monkeypatch):
-    """bf16 on any CPU. Where bf16 is not native the refusal (`eagle.precision`) is lifted and torch
+    """bf16 on any CPU. Where bf16 is not native the refusal (`eagle.target.precision`) is lifted and torch
     emulates it (slowly; fine on tiny models): such tests check what bf16 computes, not its speed."""
-    from eagle import precision
+    from eagle.target import precision
 
     if not precision.native_dtype_support("bfloat16", "cpu")[0]:
         flags = frozenset({*precision.cpu_flags(), "avx512_bf16"})
@@ -102,6 +102,6 @@ def ws3(tmp_path_factory):
 def smollm2():
     """The bundled SmolLM2-135M-Instruct (model, tokenizer, info); tests using it are marked smollm2."""
     from eagle.config import TargetConfig
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
 
     return load_target(TargetConfig(path="smollm2-135m-instruct"))

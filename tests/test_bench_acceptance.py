@@ -13,7 +13,7 @@ import torch
 from eagle.algorithms.head_io import build_head, head_config_from_target, save_head
 from eagle.assets import has_asset
 from eagle.config import DraftConfig, TargetConfig
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 from tests.tiny_models import save_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 from eagle.capture.reader import CaptureDataset, check_compatible
 from eagle.capture.store import read_manifest
 from eagle.config import TargetConfig
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 from tests.support.capture import cli_args, run_cli, same_capture
 from tests.support.data import write_word_salad
 from tests.tiny_models import save_model

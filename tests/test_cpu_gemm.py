@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle.config import ConfigError
-from eagle.cpu_gemm import MAX_ROWS, SmallBatchLinear, apply_cpu_gemm, transposed_linear
 from eagle.decode import SpeculativeGenerator, autoregressive_generate
 from eagle.errors import EagleError
+from eagle.target.cpu_gemm import MAX_ROWS, SmallBatchLinear, apply_cpu_gemm, transposed_linear
 from tests.support.decode import decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.tiny_models import make_model
 
@@ -33,7 +33,7 @@ def test_small_batch_linear_takes_its_kernel_only_for_2_to_max_rows_of_cpu_float
     lin = nn.Linear(16, 8)
     lin.__class__ = SmallBatchLinear
     calls = []
-    monkeypatch.setattr("eagle.cpu_gemm.transposed_linear", lambda *a: calls.append(a[0].shape) or F.linear(*a))
+    monkeypatch.setattr("eagle.target.cpu_gemm.transposed_linear", lambda *a: calls.append(a[0].shape) or F.linear(*a))
     for rows in (1, 2, MAX_ROWS, MAX_ROWS + 1):
         lin(torch.randn(rows, 16))
     lin.to(torch.bfloat16)(torch.randn(4, 16, dtype=torch.bfloat16))
@@ -86,7 +86,7 @@ def test_speculative_greedy_through_the_transposed_kernel_equals_hf_generate(fam
 
 def test_load_target_sets_the_kernel_for_decoding_and_regeneration_only(tiny_target_dir):
     from eagle.config import TargetConfig
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
 
     cfg = TargetConfig(path=str(tiny_target_dir), dtype="float32", cpu_gemm="transposed")
     for stage, kernel in (("decode", "transposed"), ("regenerate", "transposed"), ("capture", "stock"), ("train", "stock")):

@@ -25,7 +25,7 @@ from eagle.config import DraftConfig, TargetConfig
 from eagle.errors import CheckpointError
 from eagle.evaluate import metrics
 from eagle.export import load_draft
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 from tests.tiny_models import save_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -159,7 +159,7 @@ def test_multi_turn_follows_own_answer(greedy_report, workspace):
     """Turn 2 is asked after the speculative decoder's own turn-1 answer, through the chat template."""
     from eagle.data.eval_prompts import load_eval_prompts
     from eagle.evaluate.runner import turn_inputs
-    from eagle.targets import load_tokenizer
+    from eagle.target.loading import load_tokenizer
 
     poem = greedy_report["per_prompt"][0]
     assert [t["turn"] for t in poem["turns"]] == [0, 1]

@@ -26,7 +26,7 @@ from eagle.errors import EagleError, TargetError
 from eagle.evaluate import evaluate
 from eagle.export import export_head
 from eagle.export.validate import check_folder
-from eagle.targets import attention_implementation, load_target
+from eagle.target.loading import attention_implementation, load_target
 from eagle.train.trainer import train
 from tests.support.decode import OracleHead, decode_cfg, hf_greedy, prompt_ids, random_head
 from tests.support.train import Workspace

@@ -34,12 +34,12 @@ import eagle
 
 PACKAGE = Path(eagle.__file__).parent
 
-# Lowest first. A unit is a subpackage (eagle/heads/) or a top-level module (eagle/targets.py).
+# Lowest first. A unit is a subpackage (eagle/heads/) or a top-level module (eagle/sweep.py).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "fileio", "assets", "precision", "artifacts", "cpu_gemm"},  # leaves: names, typed config, files
-    {"targets", "tracking"},  # the frozen target (load, facts); metric sinks
-    {"shard"},  # target.shard: the frozen target as FSDP2 shards over the processes
+    {"config", "fileio", "assets", "artifacts"},  # leaves: names, typed config, files
+    # the frozen target (where from, loading whole or as FSDP2 shards, facts, dtypes, CPU kernels); metric sinks
+    {"target", "tracking"},
     {"heads"},  # what every draft head is built from: the DraftHead interface, layers, vocab maps
     {"decode"},  # tree speculative decoding, continuous batching (drives heads through DraftHead)
     {"algorithms"},  # one package per algorithm (head, loss, drafting step, export names); the registry
@@ -199,13 +199,13 @@ def test_local_import_check_refuses_what_it_should():
     assert check("# optional: POSIX only\nimport fcntl") == []
     assert len(check("# optional: POSIX only\nx = 1\nimport fcntl")) == 1  # the comment is not above it
     # a comment above the first of a run covers the run, blank lines included; another statement ends it
-    assert check("# startup: loads torch\nfrom accelerate import PartialState\n\nfrom eagle.targets import load_target") == []
-    assert len(check("# startup: loads torch\nimport accelerate\nx = 1\nfrom eagle.targets import load_target")) == 1
+    assert check("# startup: loads torch\nfrom accelerate import PartialState\n\nfrom eagle.target.loading import load_target") == []
+    assert len(check("# startup: loads torch\nimport accelerate\nx = 1\nfrom eagle.target.loading import load_target")) == 1
     # eagle modules: at the top, or local for a cycle or to keep a light module light
-    assert len(check("from eagle.targets import load_target  # heavy: loads torch")) == 1
-    assert len(check("import eagle.targets  # optional: no")) == 1
+    assert len(check("from eagle.target.loading import load_target  # heavy: loads torch")) == 1
+    assert len(check("import eagle.target  # optional: no")) == 1
     assert len(check("from . import store  # heavy: no")) == 1
-    assert check("from eagle.targets import load_target  # cycle: eagle.targets imports this module") == []
+    assert check("from eagle.target.loading import load_target  # cycle: eagle.target imports this module") == []
     # nested functions, methods, try bodies and their handlers are inside a function too
     assert len(check("def g():\n    import json")) == 1
     assert len(local_import_problems("class C:\n    def m(self):\n        import json\n")) == 1

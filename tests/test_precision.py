@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle import precision
 from eagle.errors import TargetError
+from eagle.target import precision
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_eval_loads_target_and_head_in_the_resolved_dtype(tiny_target_dir, flags
     """The decode path: target loaded in bf16 under auto, the head cast to it by the generator."""
     from eagle.config import DecodeConfig, TargetConfig
     from eagle.decode import SpeculativeGenerator
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import random_head
 
     flags("avx512_bf16")
@@ -161,7 +161,7 @@ def test_dynamic_int8_linear_stays_near_its_reference(in_features):
 def test_int8_head_is_a_copy_with_quantized_layer_and_lm_head(tiny_target_dir):
     from eagle.config import TargetConfig
     from eagle.heads.quantize import DynamicInt8Linear, Int8Linear, quantize_head_int8
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import random_head
 
     target = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))[0]
@@ -211,7 +211,7 @@ def test_full_precision_draft_head_is_a_fused_copy(tiny_target_dir):
     caller's head keeps its dtype and the names export writes."""
     from eagle.config import TargetConfig
     from eagle.decode import SpeculativeGenerator
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import decode_cfg, hf_greedy, random_head
 
     model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
@@ -228,7 +228,7 @@ def test_a_head_quantised_by_the_caller_drafts_as_it_is_and_the_report_says_so(t
     from eagle.config import TargetConfig
     from eagle.decode import SpeculativeGenerator
     from eagle.heads.quantize import quantize_head_int8
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import decode_cfg, random_head
 
     model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
@@ -247,7 +247,7 @@ def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_
     from eagle.config import TargetConfig
     from eagle.decode import SpeculativeGenerator
     from eagle.heads.quantize import has_int8_linears
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import decode_cfg, hf_greedy, random_head
 
     flags("avx512_bf16")
@@ -271,7 +271,7 @@ def test_float32_int8_head_on_a_cpu_without_bf16_keeps_greedy_output(tiny_target
     from eagle.config import TargetConfig
     from eagle.decode import SpeculativeGenerator
     from eagle.heads.quantize import DynamicInt8Linear, has_int8_linears
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from tests.support.decode import decode_cfg, hf_greedy, random_head
 
     flags("avx2")

@@ -17,7 +17,7 @@ from eagle.data.records import Conversation
 from eagle.data.regenerate import regenerate
 from eagle.data.server import ServerBackend
 from eagle.errors import DataError, ServerError
-from eagle.targets import load_target, load_tokenizer
+from eagle.target.loading import load_target, load_tokenizer
 from tests.support.data import CONVS
 from tests.support.servers import ServedModel, free_port, serve_available
 from tests.tiny_models import save_model

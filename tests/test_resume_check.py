@@ -75,13 +75,13 @@ def test_relative_and_absolute_paths_are_the_same(tmp_path, monkeypatch):
 
 
 def test_auto_dtype_compares_as_the_dtype_it_resolves_to(tmp_path):
-    pytest.importorskip("eagle.precision")
+    pytest.importorskip("eagle.target.precision")
     # Training on CPU resolves target.dtype=auto to float32.
     assert compare(_record(tmp_path, "target.dtype=float32"), _record(tmp_path, "target.dtype=auto")) == []
 
 
 def test_auto_mixed_precision_compares_as_what_it_resolves_to(tmp_path):
-    from eagle.precision import resolve_mixed_precision
+    from eagle.target.precision import resolve_mixed_precision
 
     resolved = resolve_mixed_precision("auto", "cpu")
     assert compare(_record(tmp_path, f"train.mixed_precision={resolved}"),

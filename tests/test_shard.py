@@ -1,4 +1,4 @@
-"""`target.shard=fsdp` (eagle/shard.py): the frozen target as FSDP2 shards over the processes of a launch.
+"""`target.shard=fsdp` (eagle/target/shard.py): the frozen target as FSDP2 shards over the processes of a launch.
 
 Fast tests: the config name, the refusals, resume / capture identity rules, and the lockstep counts
 (every rank runs the target's forward equally often). Slow tests (marked): 2 gloo processes under
@@ -31,8 +31,8 @@ from eagle.capture.runner import build_header, forwards_per_rank, plan_shards
 from eagle.capture.store import check_same_capture, read_manifest
 from eagle.cli.app import compose
 from eagle.config import CaptureConfig, ConfigError, TargetConfig
-from eagle.shard import load_placed_target
-from eagle.targets import load_target
+from eagle.target.loading import load_target
+from eagle.target.shard import load_placed_target
 from eagle.train.batches import eval_batch_count, eval_batches
 from eagle.train.resume import compare, run_record
 from tests.support.capture import DATA, cli_args, info_for, make_convs, same_capture

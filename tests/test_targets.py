@@ -10,7 +10,9 @@ import torch
 
 from eagle.config import TargetConfig
 from eagle.errors import TargetError
-from eagle.targets import default_aux_layer_ids, load_target, resolve_target_path
+from eagle.target.loading import load_target
+from eagle.target.resolve import resolve_target_path
+from eagle.target.structure import default_aux_layer_ids
 from tests.tiny_models import save_model
 
 
@@ -123,7 +125,7 @@ def _legacy_conversion(tmp_path: Path) -> tuple[Path, Path]:
     `quantization_config` that other tools refuse)."""
     import json
 
-    from eagle.targets import _cached_file_hash
+    from eagle.target.resolve import _cached_file_hash
 
     gguf = tmp_path / "models" / "tiny.gguf"
     gguf.parent.mkdir()
@@ -141,7 +143,7 @@ def _legacy_conversion(tmp_path: Path) -> tuple[Path, Path]:
 def test_legacy_gguf_conversion_is_repaired_into_a_plain_checkpoint(tmp_path, bf16_anywhere):
     import json
 
-    from eagle.targets import GGUF_CONVERSION_VERSION
+    from eagle.target.resolve import GGUF_CONVERSION_VERSION
 
     gguf, legacy = _legacy_conversion(tmp_path)
     before = {f.name: f.read_bytes() for f in legacy.glob("*.safetensors")}
@@ -193,7 +195,7 @@ def test_aux_layer_ids_have_one_valid_range_everywhere():
     from eagle.capture.features import check_layer_ids
     from eagle.config import ConfigError, DraftConfig
     from eagle.errors import CaptureError, CheckpointError
-    from eagle.targets import aux_layer_problem
+    from eagle.target.structure import aux_layer_problem
     from tests.tiny_models import make_model
 
     assert aux_layer_problem([0, 2, 3], 4) is None
@@ -214,7 +216,7 @@ def test_aux_layer_ids_have_one_valid_range_everywhere():
 def test_config_token_ids_reads_lists_in_order_without_repeats():
     from types import SimpleNamespace
 
-    from eagle.targets import config_token_ids
+    from eagle.target.structure import config_token_ids
 
     gen = SimpleNamespace(eos_token_id=[7, 2], bos_token_id=1)
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=None)
@@ -229,7 +231,7 @@ def test_concurrent_gguf_conversions_take_turns(tmp_path, monkeypatch):
     import threading
     import time
 
-    import eagle.targets as targets
+    import eagle.target.resolve as targets
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(64))

@@ -190,7 +190,7 @@ def test_template_that_raises_is_a_counted_reason():
 @pytest.mark.smollm2
 def test_smollm2_tokenizer_mask():
     from eagle.config import TargetConfig
-    from eagle.targets import load_tokenizer
+    from eagle.target.loading import load_tokenizer
 
     tok = load_tokenizer(TargetConfig())
     msgs = MESSAGES[1:]  # no system turn: SmolLM2's template inserts its default system prompt

@@ -253,7 +253,7 @@ def test_smollm2_non_canonical_splits_reach_training_as_generated():
     """The splits SmolLM2 was seen generating (scripts/check_retokenize.py): `Bre|ndon` where its tokenizer
     makes `B|rend|on`, and one `ĊĊ` where it makes `Ċ|Ċ`; an answer cut at the token limit after a newline."""
     from eagle.config import TargetConfig
-    from eagle.targets import load_tokenizer
+    from eagle.target.loading import load_tokenizer
 
     tok = load_tokenizer(TargetConfig())
     stored = (ids_of(tok, "Bre") + ids_of(tok, "ndon Burch:") + tok.convert_tokens_to_ids(["ĊĊ"])

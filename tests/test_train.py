@@ -152,7 +152,7 @@ def test_loss_falls_on_a_fixed_batch(fam, algorithm):
 # --------------------------------------------------------------------------------------- batches
 def test_offline_and_online_batches_are_the_same(ws3, tmp_path):
     from eagle.data.dataset import build_splits
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from eagle.train.batches import BatchStream, OfflineSplit, OnlineSplit
 
     cfg = ws3.cfg(tmp_path / "x")
@@ -252,7 +252,7 @@ def test_micro_slices_partition_the_global_batch():
 def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
     from eagle.algorithms.head_io import load_head, read_head_extra
     from eagle.artifacts import resolve_draft_path as resolve_head_dir
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from eagle.train.trainer import format_result, train
 
     out = tmp_path / "out"
@@ -278,7 +278,7 @@ def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
 
 
 def _bf16_native() -> bool:
-    from eagle.precision import native_dtype_support
+    from eagle.target.precision import native_dtype_support
 
     return native_dtype_support("bfloat16", "cpu")[0]
 
@@ -672,7 +672,7 @@ def test_init_layer_from_target_is_the_head_training_starts_from(ws3, tmp_path, 
     (a 1-step run at a vanishing learning rate keeps them), and it cannot be combined with init_from."""
     from eagle.algorithms.head_io import load_head
     from eagle.config import ConfigError
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from eagle.train.trainer import train
 
     run = train(ws3.cfg(tmp_path / "l", steps=1, train__init_layer_from_target=-1, train__lr=1e-12))
@@ -696,7 +696,7 @@ def test_freeze_lm_head_trains_everything_but_the_lm_head(ws3, tmp_path):
     (refused); EAGLE-1, which has no LM head of its own, is refused at config time."""
     from eagle.algorithms.head_io import load_head
     from eagle.config import ConfigError
-    from eagle.targets import load_target
+    from eagle.target.loading import load_target
     from eagle.train.trainer import train
 
     train(ws3.cfg(tmp_path / "f", steps=3, train__freeze_lm_head=True))

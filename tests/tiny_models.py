@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eagle.targets import attention_implementation
+from eagle.target.loading import attention_implementation
 
 HIDDEN = 64
 LAYERS = 4

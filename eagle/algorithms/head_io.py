@@ -23,7 +23,8 @@ from eagle.config import ConfigError, DraftConfig
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_write_bytes, atomic_write_text, safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.targets import TargetInfo, aux_layer_problem, default_aux_layer_ids, text_config
+from eagle.target.loading import TargetInfo
+from eagle.target.structure import aux_layer_problem, default_aux_layer_ids, text_config
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Both the offline capture (`eagle.capture.runner`) and the online trainer call `extract_features`,
 so captured shards and online batches are the same function of the same target.
 
-Layer ids follow `eagle.targets.default_aux_layer_ids` (vLLM convention): id i is the input of
+Layer ids follow `eagle.target.structure.default_aux_layer_ids` (vLLM convention): id i is the input of
 decoder layer i, i.e. transformers' `output_hidden_states[i]` (index 0 is the embedding output).
 `final_hidden` is the post-norm last state (`output_hidden_states[-1]`), from which the target's
 own LM head gives its next-token distribution.
@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from eagle.errors import CaptureError
-from eagle.shard import is_sharded
-from eagle.targets import aux_layer_problem, decoder_of, target_errors
+from eagle.target.loading import target_errors
+from eagle.target.shard import is_sharded
+from eagle.target.structure import aux_layer_problem, decoder_of
 
 
 def check_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
@@ -45,7 +46,7 @@ def extract_features(
     want_aux = bool(aux_layer_ids)
     # A sharded target runs under no_grad instead: FSDP keeps each layer's gathered-weights buffer from one
     # forward to the next, and one first allocated in inference mode could not be written outside it
-    # (`eagle.shard.gathered`, a layer copied into the head).
+    # (`eagle.target.shard.gathered`, a layer copied into the head).
     with torch.no_grad() if is_sharded(model) else torch.inference_mode(), target_errors(model):
         # use_cache=False: a KV cache would only cost memory here. The decoder (not the CausalLM)
         # is called so no [B, T, V] logits are computed.

@@ -21,7 +21,8 @@ from eagle.algorithms import get_algorithm
 from eagle.capture.store import SHARD_METADATA_KEY, SPLITS, member_path, read_manifest, verify_shard
 from eagle.config import ConfigError
 from eagle.errors import CaptureError
-from eagle.targets import TargetInfo, default_aux_layer_ids
+from eagle.target.loading import TargetInfo
+from eagle.target.structure import default_aux_layer_ids
 
 FEATURE_NAMES = ("final_hidden", "aux_hidden")
 

@@ -12,7 +12,7 @@ progress files into `manifest.json` at the end. A re-run (any world size) skips 
 already recorded and present, and refuses a folder captured with another target, data, algorithm,
 layer set, dtype, shard size or backend (not another `target.shard`: the features are the same).
 
-With `target.shard=fsdp` (eagle/shard.py) every forward gathers layers from all ranks, so a rank that
+With `target.shard=fsdp` (eagle/target/shard.py) every forward gathers layers from all ranks, so a rank that
 owns fewer batches runs idle forwards until it has run as many as the busiest rank (`forwards_per_rank`).
 """
 
@@ -55,9 +55,10 @@ from eagle.config import CaptureConfig, ConfigError, RootConfig
 from eagle.data.dataset import DataSplits, build_splits, data_fingerprint
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
-from eagle.precision import DTYPES, resolve_dtype
-from eagle.shard import is_sharded, load_placed_target
-from eagle.targets import TargetInfo, default_aux_layer_ids
+from eagle.target.loading import TargetInfo
+from eagle.target.precision import DTYPES, resolve_dtype
+from eagle.target.shard import is_sharded, load_placed_target
+from eagle.target.structure import default_aux_layer_ids
 
 
 class Conversation(Protocol):

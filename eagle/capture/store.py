@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from eagle.artifacts import MANIFEST
 from eagle.errors import CaptureError
 from eagle.fileio import file_sha256, fsync_dir, temp_path
-from eagle.precision import DTYPES as STORAGE_DTYPES
+from eagle.target.precision import DTYPES as STORAGE_DTYPES
 
 FORMAT = "eagle-capture"
 FORMAT_VERSION = 1

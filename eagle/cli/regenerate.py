@@ -22,7 +22,8 @@ def regenerate_stage(cfg: RootConfig) -> None:
     from eagle.data.dataset import load_conversations
     from eagle.data.regenerate import default_output, regenerate
     from eagle.data.server import ServerBackend
-    from eagle.targets import load_target, load_tokenizer, resolve_target_path
+    from eagle.target.loading import load_target, load_tokenizer
+    from eagle.target.resolve import resolve_target_path
 
     if cfg.regenerate.backend == "server":
         # The servers run the model; here only its tokenizer and chat template render the prompts.

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 
 from eagle.decode.accept import process_logits, sample_index
 from eagle.errors import TargetError
-from eagle.targets import text_config
+from eagle.target.structure import text_config
 
 ATTENTION_NAME = "eagle_slots"
 

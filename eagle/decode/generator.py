@@ -55,7 +55,7 @@ from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
 from eagle.heads.layers import inference_copy
 from eagle.heads.quantize import int8_kind, quantize_head_int8
-from eagle.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
+from eagle.target.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
 
 log = logging.getLogger(__name__)
 

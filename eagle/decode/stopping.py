@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle.targets import config_token_ids
+from eagle.target.structure import config_token_ids
 
 
 def eos_ids(tokenizer: Any, model: Any | None = None) -> set[int]:

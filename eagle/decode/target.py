@@ -28,7 +28,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from eagle.errors import TargetError
-from eagle.targets import MASKABLE_ATTENTION, target_errors, text_config
+from eagle.target.loading import MASKABLE_ATTENTION, target_errors
+from eagle.target.structure import text_config
 
 _WINDOWED = ("sliding_attention",)
 _FULL = ("full_attention",)

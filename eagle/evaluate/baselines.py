@@ -18,7 +18,7 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.errors import TargetError
-from eagle.targets import config_token_ids
+from eagle.target.structure import config_token_ids
 
 
 @dataclass

@@ -41,7 +41,7 @@ from eagle.evaluate.divergence import divergence_at
 from eagle.evaluate.divergence import summarize as summarize_divergence
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
 from eagle.export.loader import load_draft
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"

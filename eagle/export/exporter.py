@@ -46,8 +46,9 @@ from eagle.export.llamacpp import llamacpp_guide, local_target, portable_target
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.fileio import safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
-from eagle.precision import DTYPES as _DTYPES
-from eagle.targets import load_target, resolve_target_path
+from eagle.target.loading import load_target
+from eagle.target.precision import DTYPES as _DTYPES
+from eagle.target.resolve import resolve_target_path
 
 log = logging.getLogger(__name__)
 

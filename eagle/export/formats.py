@@ -54,7 +54,7 @@ from eagle.artifacts import EXPORT_CONFIG, HEAD_CONFIG, HEAD_WEIGHTS
 from eagle.config import ConfigError
 from eagle.errors import ExportError
 from eagle.heads.base import HeadConfig
-from eagle.targets import default_aux_layer_ids
+from eagle.target.structure import default_aux_layer_ids
 
 FORMATS = ("vllm", "sglang", "speculators", "hf", "llamacpp")
 WEIGHTS_FILE = HEAD_WEIGHTS

@@ -25,7 +25,7 @@ from eagle.config import TargetConfig
 from eagle.errors import EagleError
 from eagle.export.formats import LLAMACPP_GGUF, algorithm_of, hub_id_for_target
 from eagle.heads.base import HeadConfig
-from eagle.targets import resolve_target_path
+from eagle.target.resolve import resolve_target_path
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class LlamaCppTarget:
 
 
 def local_target(target_path: str | None) -> LlamaCppTarget:
-    """The target's local HF folder (`eagle.targets.resolve_target_path`: a folder as given, the cached
+    """The target's local HF folder (`eagle.target.resolve.resolve_target_path`: a folder as given, the cached
     converted folder of a `.gguf` or built-in target) and its GGUF file, where they exist here."""
     if not target_path:
         return LlamaCppTarget("the head's target", None, None)

@@ -20,7 +20,7 @@ from eagle.errors import CheckpointError, ExportError
 from eagle.export.formats import algorithm_of
 from eagle.export.validate import check_folder
 from eagle.heads.base import DraftHead
-from eagle.targets import text_config
+from eagle.target.structure import text_config
 
 log = logging.getLogger(__name__)
 

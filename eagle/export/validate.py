@@ -37,7 +37,7 @@ from eagle.export.formats import (
     to_format_name,
 )
 from eagle.heads.base import HeadConfig
-from eagle.precision import DTYPES as _DTYPES
+from eagle.target.precision import DTYPES as _DTYPES
 
 # Tensors a third-party folder may carry that our heads take from the target instead.
 _BORROWED = ("embed_tokens.weight", "lm_head.weight")

@@ -21,7 +21,7 @@ Two kernels:
   int8 kernel behind gpt-fast's CPU path; activations stay bfloat16 (with float32 activations it is
   slower than a float32 matmul). The fallback where this torch build lacks fbgemm's quantised ops:
   torch marks the quantised-tensor API the dynamic kernel needs as deprecated (moving to torchao);
-  `eagle.precision.dynamic_int8_available()` says whether it is there.
+  `eagle.target.precision.dynamic_int8_available()` says whether it is there.
 
 `quantize_head_int8` fuses q/k/v and gate/up first (`eagle.heads.layers.fuse_for_inference`): with one
 scale per output row, and one activation scale per call from the input the parts share, the fused

@@ -29,7 +29,7 @@ from torch import nn
 
 from eagle.config import ConfigError
 from eagle.heads.layers import DecoderLayer
-from eagle.targets import decoder_layer_stacks, text_config
+from eagle.target.structure import decoder_layer_stacks, text_config
 
 log = logging.getLogger(__name__)
 

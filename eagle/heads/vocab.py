@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from eagle.targets import config_token_ids
+from eagle.target.structure import config_token_ids
 
 
 def count_tokens(token_ids: torch.Tensor, loss_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

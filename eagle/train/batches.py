@@ -32,7 +32,7 @@ from eagle.capture.store import member_path
 from eagle.config import ConfigError
 from eagle.errors import CaptureError
 from eagle.heads.vocab import count_tokens
-from eagle.shard import is_sharded
+from eagle.target.shard import is_sharded
 
 
 class SplitData(Protocol):

@@ -37,7 +37,7 @@ import torch
 
 from eagle.config import RootConfig
 from eagle.errors import CheckpointError, TargetError
-from eagle.precision import resolve_dtype, resolve_mixed_precision
+from eagle.target.precision import resolve_dtype, resolve_mixed_precision
 from eagle.train.checkpoint import RUN_CONFIG, read_state
 
 # Keys that may change between a checkpoint and its resumption: what is logged, evaluated or kept.
@@ -91,7 +91,7 @@ def _resolved(value: Any) -> Any:
 
 
 def _effective_dtype(cfg: RootConfig) -> str:
-    """target.dtype as training runs it: `auto` resolved for this device (eagle.precision), so that
+    """target.dtype as training runs it: `auto` resolved for this device (eagle.target.precision), so that
     `auto` and the dtype it stands for compare equal."""
     name = cfg.target.dtype
     if name != "auto":

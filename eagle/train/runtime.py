@@ -20,7 +20,7 @@ from torch import nn
 
 from eagle.config import ConfigError, RootConfig
 from eagle.errors import CheckpointError
-from eagle.precision import resolve_mixed_precision
+from eagle.target.precision import resolve_mixed_precision
 from eagle.train import checkpoint as ckpt
 from eagle.train.resume import check_resume
 

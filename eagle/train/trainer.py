@@ -25,7 +25,7 @@ mixed precision default) comes from the accelerate config file written by `accel
 `train.batch_size` stays the GLOBAL batch. A draft head is one decoder layer (+ its LM head), so
 the head is always replicated (DDP); accelerate's FSDP and DeepSpeed configs are refused because
 evaluation and checkpointing here use the unsharded head. A target too large for one device is
-sharded instead with `target.shard=fsdp` (eagle/shard.py): every training step gives each rank the
+sharded instead with `target.shard=fsdp` (eagle/target/shard.py): every training step gives each rank the
 same number of micro-batches, so the sharded forwards stay in step; held-out evaluation adds idle
 forwards (`eagle.train.heldout`).
 """
@@ -55,7 +55,7 @@ from eagle.data.dataset import build_splits
 from eagle.errors import CheckpointError, TrainingError
 from eagle.heads.base import DraftHead
 from eagle.heads.target_layer import pick_target_layer
-from eagle.shard import gathered, load_placed_target
+from eagle.target.shard import gathered, load_placed_target
 from eagle.tracking import Tracker
 from eagle.train import checkpoint as ckpt
 from eagle.train import heldout
@@ -176,7 +176,7 @@ class TrainRecipe:
         self.resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
 
         # target.shard=fsdp: decoder layers sharded; the embeddings, final norm and LM head the head reads
-        # below (build_head, freeze_lm_head, self.lm_head) stay whole in every process (eagle/shard.py).
+        # below (build_head, freeze_lm_head, self.lm_head) stay whole in every process (eagle/target/shard.py).
         target, tokenizer, info = load_placed_target(cfg.target, device=self.device)
         head_cfg = head_config_from_target(target.config, cfg.draft, info)
         aux = list(head_cfg.aux_layer_ids)

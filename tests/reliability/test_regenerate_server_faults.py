@@ -18,7 +18,7 @@ from eagle.config import DataConfig, RegenerateConfig, TargetConfig
 from eagle.data.dataset import load_conversations
 from eagle.data.regenerate import regenerate
 from eagle.data.server import ServerBackend
-from eagle.targets import load_target
+from eagle.target.loading import load_target
 from tests.support.cli import cli_env
 from tests.support.data import write_word_salad
 from tests.support.servers import ServedModel, serve_available, start_all

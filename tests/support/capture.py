@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from eagle.capture.runner import capture_splits
 from eagle.capture.store import read_manifest
 from eagle.config import CaptureConfig
-from eagle.targets import TargetInfo
+from eagle.target.loading import TargetInfo
 from tests.support.cli import ROOT, cli_env
 
 

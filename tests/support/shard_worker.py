@@ -23,8 +23,8 @@ from eagle.capture.features import extract_features
 from eagle.capture.runner import pad_batch
 from eagle.config import TargetConfig
 from eagle.heads.target_layer import pick_target_layer
-from eagle.shard import gathered, is_sharded, load_sharded_target
-from eagle.targets import load_target
+from eagle.target.loading import load_target
+from eagle.target.shard import gathered, is_sharded, load_sharded_target
 from tests.support.capture import make_convs
 
 

@@ -49,19 +49,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle.config import ConfigError, TargetConfig
 from eagle.errors import EagleError, TargetError
-from eagle.precision import resolve_dtype
-from eagle.targets import (
+from eagle.target.loading import (
     TargetInfo,
     attention_implementation,
     check_shard_stage,
-    decoder_layer_stacks,
-    decoder_of,
     load_target,
     load_tokenizer,
     load_weights,
-    resolve_target_path,
     target_info,
 )
+from eagle.target.precision import resolve_dtype
+from eagle.target.resolve import resolve_target_path
+from eagle.target.structure import decoder_layer_stacks, decoder_of
 
 
 def world_size() -> int:
@@ -187,7 +186,7 @@ def load_sharded_target(cfg: TargetConfig, device: torch.device | str, stage: st
 
 def load_placed_target(cfg: TargetConfig, device: torch.device | str | None = None,
                        stage: str = "capture") -> tuple[Any, Any, TargetInfo]:
-    """The frozen target as `target.shard` places it in this process: whole (`eagle.targets.load_target`)
+    """The frozen target as `target.shard` places it in this process: whole (`eagle.target.loading.load_target`)
     or sharded (`load_sharded_target`)."""
     if cfg.shard == "fsdp":
         if device is None:
