@@ -361,7 +361,9 @@ class LoggerConfig:
 class RootConfig:
     output_dir: str = "outputs/run"
     device: str | None = None  # None: accelerate's choice (cpu here)
-    format: str = "hf"  # eagle-export: vllm | sglang | speculators | hf | llamacpp (docs/serving.md)
+    # eagle-export / eagle-publish: vllm | sglang | speculators | hf | llamacpp (docs/serving.md); the names are
+    # eagle.export.registry.FORMATS, checked when those stages start.
+    format: str = "hf"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -522,7 +524,6 @@ def validate(cfg: RootConfig) -> RootConfig:
         _choice("eval.baselines", baseline, ("autoregressive", "hf_generate", "prompt_lookup"))
     for size in cfg.eval.tree_sweep:
         _positive("eval.tree_sweep", size)
-    _choice("format", cfg.format, ("vllm", "sglang", "speculators", "hf", "llamacpp"))
     _choice("export.dtype", cfg.export.dtype, dtypes)
     _positive("export.speculative_tokens", cfg.export.speculative_tokens)
     _choice("logger.name", cfg.logger.name, ("console", "wandb"))

@@ -13,7 +13,8 @@ from eagle.algorithms import ALGORITHMS, get_algorithm
 from eagle.algorithms.head_io import head_config_from_target
 from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
-from eagle.export.formats import FORMATS, build_config, detect_algorithm, expected_tensors, format_keys
+from eagle.export.formats import detect_algorithm, expected_tensors
+from eagle.export.registry import FORMATS, build_config, format_keys
 from tests.tiny_models import make_model
 
 

@@ -21,7 +21,7 @@ from eagle.algorithms.head_io import build_head, head_config_from_target
 from eagle.config import DraftConfig
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
-from eagle.export.formats import FORMATS
+from eagle.export.registry import FORMATS
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
@@ -237,3 +237,33 @@ def test_docs_serving_table_matches_the_exporter():
     assert set(table) == set(CASES)
     assert {k for k, v in table.items() if v == "refused"} == set(REFUSED)
     assert set(table.values()) == {"served", "refused"}
+
+
+def test_format_names_are_compared_only_in_the_registry():
+    """Stages ask a format object (eagle/export/registry.py) instead of comparing its name: no `fmt == "vllm"`
+    or `x.format in ("hf", ...)` anywhere else in the package. Algorithms keep per-format facts in tables."""
+    import ast
+
+    import eagle
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        return set()
+
+    def is_format(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("fmt", "format")) or (
+            isinstance(node, ast.Attribute) and node.attr == "format")
+
+    offenders = []
+    for path in Path(eagle.__file__).parent.rglob("*.py"):
+        if path.name == "registry.py" and path.parent.name == "export":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(is_format(s) for s in sides) and any(names(s) & set(FORMATS) for s in sides):
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

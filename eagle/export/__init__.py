@@ -1,8 +1,8 @@
 """Export trained heads for vLLM / SGLang / speculators / llama.cpp / the Hub, validate folders, load them back."""
 
 from eagle.export.exporter import export_head, resolve_head_source, run_export, write_export
-from eagle.export.formats import FORMATS
 from eagle.export.loader import load_draft, load_exported_head
+from eagle.export.registry import FORMATS
 from eagle.export.validate import ExportedHead, check_folder, read_folder
 
 __all__ = [

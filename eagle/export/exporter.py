@@ -29,20 +29,17 @@ from eagle.config import TargetConfig
 from eagle.errors import EagleError, ExportError
 from eagle.export.formats import (
     CONFIG_FILE,
-    FORMATS,
     HEAD_CONFIG_FILE,
     LLAMACPP_FILE,
     LLAMACPP_GGUF,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
     algorithm_of,
-    build_config,
-    check_servable,
     expected_tensors,
     hub_id_for_target,
     to_format_name,
 )
-from eagle.export.llamacpp import llamacpp_guide, local_target, portable_target
+from eagle.export.registry import FORMATS, build_config, check_servable, get_format
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.fileio import safetensors_bytes
 from eagle.heads.base import DraftHead, HeadConfig
@@ -196,21 +193,20 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     and the target's Hub id when not `local_paths` (a folder for the Hub).
     """
     check_servable(cfg, fmt)
+    form = get_format(fmt)
     if dtype not in _DTYPES:
         raise ExportError(f"export.dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
-    info = verifier_info(target_path, verifier, verifier_default) if fmt == "speculators" else None
+    info = verifier_info(target_path, verifier, verifier_default) if form.names_verifier else None
     config = build_config(cfg, fmt, dtype, verifier=info, speculative_tokens=speculative_tokens)
-    if fmt == "speculators" and not config["speculators_config"]["verifier"]["name_or_path"]:
-        raise ExportError("format=speculators needs the target's name for the verifier: set target.path "
+    if info is not None and not info.get("name_or_path"):
+        raise ExportError(f"format={fmt} needs the target's name for the verifier: set target.path "
                           "(or export.verifier)")
     stored = format_tensors(cfg, tensors, fmt, dtype)
-    if fmt == "speculators":
-        stored[SPECULATORS_EMBED] = _speculators_embedding(cfg, embed_tokens, target_path, dtype)
-    if fmt == "llamacpp":
-        where = str(Path(output_dir).resolve()) if local_paths else "HEAD_DIR"
-        target = local_target(target_path) if local_paths else portable_target(target_path)
-        extra_files = {**(extra_files or {}),
-                       LLAMACPP_FILE: llamacpp_guide(cfg, where, target, dtype, speculative_tokens)}
+    if form.stores_target_embedding:
+        stored[SPECULATORS_EMBED] = _target_embedding(cfg, fmt, embed_tokens, target_path, dtype)
+    extra_files = {**(extra_files or {}),
+                   **form.files(cfg, str(Path(output_dir).resolve()), target_path, local_paths, dtype,
+                                speculative_tokens)}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -218,9 +214,7 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
         meta = {"format": "pt", "eagle_format": fmt, "eagle_algorithm": cfg.algorithm}
         (tmp / WEIGHTS_FILE).write_bytes(safetensors_bytes(stored, meta))  # same tensors, same bytes
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if fmt == "hf":
-            (tmp / HEAD_CONFIG_FILE).write_text(cfg.to_json() + "\n")
-        for name, text in (extra_files or {}).items():
+        for name, text in extra_files.items():
             (tmp / name).write_text(text)
         check_folder(tmp, expect_format=fmt, dtype=dtype)  # validated before anything replaces old files
         for stale in _HEAD_FILES:
@@ -235,17 +229,17 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     return check_folder(out, expect_format=fmt, dtype=dtype)
 
 
-def _speculators_embedding(cfg: HeadConfig, embed: torch.Tensor | None, target_path: str | None,
-                           dtype: str) -> torch.Tensor:
-    """The target's input embedding, cast to the export dtype, for a speculators folder."""
+def _target_embedding(cfg: HeadConfig, fmt: str, embed: torch.Tensor | None, target_path: str | None,
+                      dtype: str) -> torch.Tensor:
+    """The target's input embedding, cast to the export dtype, for a folder that stores it (speculators)."""
     if embed is None:
         if not target_path:
-            raise ExportError("format=speculators stores the target's input embedding (the speculators library "
-                              "would otherwise run on zeros): set target.path to the head's target")
+            raise ExportError(f"format={fmt} stores the target's input embedding (the {get_format(fmt).engine} "
+                              "library would otherwise run on zeros): set target.path to the head's target")
         try:
             embed = target_input_embedding(target_path)
         except EagleError as e:
-            raise ExportError(f"format=speculators stores the target's input embedding, and it cannot be read "
+            raise ExportError(f"format={fmt} stores the target's input embedding, and it cannot be read "
                               f"from target.path={target_path!r}: {e}") from e
     if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise ExportError(f"the target's input embedding has shape {list(embed.shape)}, the head expects "
@@ -260,7 +254,7 @@ def export_head(head: DraftHead, output_dir: str | Path, fmt: str, dtype: str = 
     embedding of the target it is attached to, if any, else reads it from `target_path`)."""
     borrowed = getattr(head, "_borrowed", None) or {}
     module = borrowed.get("embed_tokens")
-    embed = module.weight.detach() if module is not None and fmt == "speculators" else None
+    embed = module.weight.detach() if module is not None and get_format(fmt).stores_target_embedding else None
     return write_export(head.config, head.trainable_state_dict(), output_dir, fmt, dtype,
                         target_path=target_path, speculative_tokens=speculative_tokens, embed_tokens=embed,
                         verifier=verifier)
@@ -297,6 +291,7 @@ def run_export(cfg: Any) -> ExportedHead:
             check_servable(head.config, head.format)
         print(summary(head))
         return head
+    get_format(cfg.format)  # a name eagle writes, before anything is read
     if not cfg.draft.path:
         raise ExportError("draft.path is required: a training output dir, checkpoint dir or head folder")
     src, train_dir = resolve_head_source(cfg.draft.path)
@@ -304,7 +299,7 @@ def run_export(cfg: Any) -> ExportedHead:
     target_path = _trained_target_path(train_dir) or cfg.target.path
     head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
                         target_path=target_path, speculative_tokens=served_chain_length(cfg, source.config),
-                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None,
+                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED),
                         verifier=cfg.export.verifier, verifier_default="local")
     print(summary(head))
     return head
@@ -322,14 +317,12 @@ def summary(head: ExportedHead) -> str:
         f"  vocab {c.vocab_size}, draft vocab {c.draft_vocab_size}, aux layers {c.aux_layer_ids or 'n/a'}",
         f"  {len(head.tensors)} tensors, {n / 1e6:.2f}M parameters, dtype {', '.join(dtypes)}",
     ]
-    if head.format == "speculators":
-        verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        lines.append(f"  speculators verifier: {verifier}")
-    if head.format == "llamacpp":
-        lines.append(f"  llama.cpp: the convert and llama-server commands are in {head.folder / LLAMACPP_FILE}")
+    form = FORMATS.get(head.format)
+    if form is not None:
+        lines += form.summary(head)
     if head.borrowed:
+        needs = f"; the {form.engine} library needs it" if form is not None and form.stores_target_embedding else ""
         lines.append(f"  also stores target-owned {', '.join(sorted(head.borrowed))} (eagle itself borrows the "
-                     "target's" + ("; the speculators library needs it" if head.format == "speculators" else "")
-                     + ")")
+                     f"target's{needs})")
     lines += [f"  note: {m}" for m in head.notes]
     return "\n".join(lines)

@@ -56,7 +56,6 @@ from eagle.errors import ExportError
 from eagle.heads.base import HeadConfig
 from eagle.target.structure import default_aux_layer_ids
 
-FORMATS = ("vllm", "sglang", "speculators", "hf", "llamacpp")
 WEIGHTS_FILE = HEAD_WEIGHTS
 HEAD_CONFIG_FILE = HEAD_CONFIG
 CONFIG_FILE = EXPORT_CONFIG
@@ -112,15 +111,6 @@ def from_format_name(name: str, algorithm: str) -> str:
     return get_algorithm(algorithm).canonical_tensor_name(name)
 
 
-def format_keys(cfg: HeadConfig, fmt: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Stored name -> (shape, kind) a `fmt` folder for a head of `cfg` must hold, exactly."""
-    algo = algorithm_of(cfg)
-    spec = algo.format_tensors(expected_tensors(cfg), fmt)
-    if fmt == "speculators":
-        spec[SPECULATORS_EMBED] = ((cfg.vocab_size, cfg.hidden_size), "float")  # the target's, see above
-    return {algo.export_tensor_name(k, fmt): v for k, v in spec.items()}
-
-
 # --- config.json -----------------------------------------------------------------------------------
 def _rope_fields(cfg: HeadConfig) -> dict[str, Any]:
     """RoPE in both spellings: rope_theta/rope_scaling (older runtimes) and rope_parameters (v5)."""
@@ -159,63 +149,6 @@ def llama_layer_config(cfg: HeadConfig, dtype: str) -> dict[str, Any]:
 def export_meta(cfg: HeadConfig, fmt: str) -> dict[str, Any]:
     """Our own block: the canonical HeadConfig, so our loader never has to guess conventions."""
     return {"format": fmt, "head_config": dataclasses.asdict(cfg)}
-
-
-def check_servable(cfg: HeadConfig, fmt: str) -> None:
-    """Refuse (ExportError) a format eagle does not write, or a head that format's engine cannot serve
-    (naming each head option and the engine); nothing is read or written before this."""
-    if fmt not in FORMATS:
-        raise ExportError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
-    algorithm_of(cfg).check_exportable(cfg, fmt)
-
-
-def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
-                 speculative_tokens: int = 4) -> dict[str, Any]:
-    """config.json for `fmt`, for a head the format's engine serves (else ExportError, `check_servable`).
-    `verifier` = {"name_or_path", "architectures"} (speculators only)."""
-    check_servable(cfg, fmt)
-    return format_config(cfg, fmt, dtype, verifier, speculative_tokens)
-
-
-def format_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
-                  speculative_tokens: int = 4) -> dict[str, Any]:
-    """config.json for `fmt` whether or not its engine serves every option of the head: what a folder of
-    that format written by eagle holds (validation reads folders that eagle itself can still load)."""
-    algo = algorithm_of(cfg)
-    if fmt not in algo.export_formats:  # no layout at all (e.g. EAGLE-1 as speculators)
-        algo.check_exportable(cfg, fmt)
-    if fmt == "speculators":
-        verifier = verifier or {"name_or_path": None, "architectures": []}
-        return {
-            "speculators_model_type": algo.speculators_model_type,
-            "architectures": ["Eagle3Speculator"],
-            "transformer_layer_config": llama_layer_config(cfg, dtype),
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "norm_before_residual": False,
-            "norm_before_fc": False,
-            # Eagle3SpeculatorConfig's own fields (speculators 0.9.0 models/eagle3/config.py); vLLM 0.32
-            # carries both over when it serves a speculators folder (configs/speculators/algos.py).
-            "fc_norm": cfg.fc_norm,
-            "norm_output": cfg.norm_output,
-            "embed_requires_grad": False,
-            "torch_dtype": dtype,
-            "speculators_config": {
-                "algorithm": algo.speculators_model_type,
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier.get("name_or_path"),
-                             "architectures": list(verifier.get("architectures") or [])},
-            },
-            EXPORT_META_KEY: export_meta(cfg, fmt),
-        }
-    out = llama_layer_config(cfg, dtype)
-    out["architectures"] = [algo.architectures[fmt]]
-    out.update(algo.config_fields(cfg, fmt))
-    out[EXPORT_META_KEY] = export_meta(cfg, fmt)
-    return out
 
 
 # --- reading any folder's config -------------------------------------------------------------------
@@ -268,7 +201,7 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
     algorithm = detect_algorithm(config, where)
     num_aux = get_algorithm(algorithm).num_aux_layers
     fmt = "speculators" if "speculators_model_type" in config else "third-party"
-    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    layer = config.get("transformer_layer_config", config) if "speculators_model_type" in config else config
     if not isinstance(layer, dict):
         raise ExportError(f"{where}: transformer_layer_config must be a JSON object")
     for flag in ("norm_before_residual", "norm_before_fc"):

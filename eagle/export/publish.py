@@ -24,12 +24,11 @@ from eagle.decode.approximate import acceptance_label
 from eagle.errors import EagleError
 from eagle.export.exporter import _trained_target_path, resolve_head_source, served_chain_length, write_export
 from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
+from eagle.export.registry import get_format
 from eagle.export.validate import ExportedHead, check_folder
 
 log = logging.getLogger(__name__)
 
-# A llamacpp folder's files are the vLLM folder (the GGUF is made from it with llama.cpp's converter).
-LIBRARY = {"speculators": "speculators", "vllm": "vllm", "sglang": "sglang", "hf": "eagle", "llamacpp": "vllm"}
 # Bundled / well-known data sources -> the Hub data set they come from.
 DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
@@ -338,7 +337,7 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
         datasets.append(DATASET_IDS[provenance["regenerated"]["from"]])
     meta: dict[str, Any] = {
         "base_model": target,
-        "library_name": LIBRARY[fmt],
+        "library_name": get_format(fmt).library,
         "license": license,
         "pipeline_tag": "text-generation",
         "tags": ["eagle", algo_tag, "speculative-decoding", "draft-model", fmt],
@@ -361,21 +360,7 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     if c.aux_layer_ids:
         lines.append(f"- target feature layers (input of decoder layer i): {c.aux_layer_ids}")
     lines += ["", "## Usage", ""]
-    method = spec.vllm_method
-    if fmt in ("vllm", "speculators"):
-        served = {"method": method, "model": name, "num_speculative_tokens": speculative_tokens, **spec.vllm_options}
-        lines += ["```bash", f"vllm serve {target} --speculative-config '{json.dumps(served)}'", "```"]
-    elif fmt == "sglang":
-        algo_flag = spec.sglang_algorithm
-        lines += ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo_flag} "
-                  f"--speculative-draft-model-path {name} --speculative-num-steps 4 --speculative-eagle-topk 4 "
-                  "--speculative-num-draft-tokens 16", "```"]
-    if fmt == "speculators":
-        lines += speculators_usage(head, name)
-    if fmt == "llamacpp":
-        lines += ["This folder is the head in vLLM's layout; [LLAMACPP.md](LLAMACPP.md) has the llama.cpp commands "
-                  "that convert it to a GGUF draft (`convert_hf_to_gguf.py --target-model-dir`) and serve it "
-                  f"(`llama-server --spec-type {spec.llamacpp_spec_type} --spec-draft-n-max {speculative_tokens}`)."]
+    lines += get_format(fmt).usage(spec, target, name, speculative_tokens, head)
     lines += ["", "With `eagle` itself (any format):", "", "```bash",
               f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
     if reports:
@@ -422,31 +407,10 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
     return "\n".join(lines) + "\n"
 
 
-def speculators_usage(head: ExportedHead, name: str) -> list[str]:
-    """Model-card lines for loading a speculators folder with the speculators library."""
-    verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    embed = head.borrowed.get(SPECULATORS_EMBED)
-    lines = ["", "With the `speculators` library (checked with speculators 0.9.0):", "", "```python",
-             "from speculators import SpeculatorModel", "",
-             f'model = SpeculatorModel.from_pretrained("{name}")', "```", "",
-             f"`from_pretrained` reads the verifier's config and LM head from `speculators_config.verifier."
-             f"name_or_path`, which this folder sets to `{verifier}`. Offline, that must be a local folder of the "
-             "target: export with `eagle-export ... format=speculators export.verifier=/path/to/target` "
-             "(`eagle-export` defaults to the local target folder the head was trained on, `eagle-publish` to the "
-             "target's Hub id), or edit that field."]
-    if embed is not None:
-        size = embed.numel() * embed.element_size()
-        lines += ["", f"`{SPECULATORS_EMBED}` is the target's own input embedding ({embed.shape[0]} x "
-                  f"{embed.shape[1]} x {embed.element_size()} bytes = {size / 2**20:.1f} MiB), stored because the "
-                  "speculators library fills its embedding from the verifier only while it is uninitialised (NaN), "
-                  "which transformers 5 no longer leaves it; without it the head would run on zeros. `eagle` itself "
-                  "uses the target's embedding (the same values)."]
-    return lines
-
-
 def run_publish(cfg: Any) -> Path:
     """The `eagle-publish` stage; returns the Hub folder (uploaded unless publish.dry_run)."""
     p = cfg.publish
+    get_format(cfg.format)  # a name eagle writes, before anything is read
     if not cfg.draft.path:
         raise PublishError("draft.path is required: the training output dir (or head / exported folder) to publish")
     if not p.dry_run and not p.repo_id:
@@ -470,7 +434,7 @@ def run_publish(cfg: Any) -> Path:
     head = write_export(source.config, source.tensors, hub, cfg.format, cfg.export.dtype, target_path=target_path,
                         speculative_tokens=chain, verifier=cfg.export.verifier,
                         verifier_default="hub", local_paths=False,
-                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED) if cfg.format == "speculators" else None)
+                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED))
     # A row names its report by the file or folder name given, never by this machine's path.
     sources = [Path(str(r)).name for r in p.reports]
     card = model_card(head, cfg.format, target, p.license, reports, provenance, p.repo_id, notes,

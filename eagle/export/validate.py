@@ -22,20 +22,17 @@ from eagle.errors import ExportError
 from eagle.export.formats import (
     CONFIG_FILE,
     EXPORT_META_KEY,
-    FORMATS,
     HEAD_CONFIG_FILE,
-    LLAMACPP_FILE,
     SPECULATORS_EMBED,
     WEIGHTS_FILE,
     algorithm_of,
     expected_tensors,
-    format_config,
-    format_keys,
     from_format_name,
     head_config_from_config,
     tensor_kind,
     to_format_name,
 )
+from eagle.export.registry import FORMATS, format_config, format_keys
 from eagle.heads.base import HeadConfig
 from eagle.target.precision import DTYPES as _DTYPES
 
@@ -152,16 +149,7 @@ def _check_our_config(head: ExportedHead, dtype: str | None) -> None:
         if raw[key] != value and not (isinstance(value, float) and raw[key] == value):
             raise ExportError(f"{where}: config field {key!r}={raw[key]!r} does not match the head "
                               f"({value!r})")
-    if head.format == "speculators":
-        spec = raw.get("speculators_config")
-        kind = algorithm_of(head.config).speculators_model_type
-        try:
-            assert int(spec["proposal_methods"][0]["speculative_tokens"]) >= 1
-            assert spec["verifier"]["name_or_path"]
-            assert spec["algorithm"] == kind
-        except (KeyError, IndexError, TypeError, AssertionError, ValueError) as e:
-            raise ExportError(f"{where}: speculators_config needs algorithm={kind}, proposal_methods[0]."
-                              "speculative_tokens >= 1 and verifier.name_or_path") from e
+    FORMATS[head.format].check_folder(head, head.folder)
 
 
 def check_folder(folder: str | Path, expect_format: str | None = None, dtype: str | None = None,
@@ -207,12 +195,14 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
             raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
         if kind == "float" and not bool(torch.isfinite(t.float()).all()):
             raise ExportError(f"{where}: tensor {name} holds NaN or inf values")
+    form = FORMATS.get(head.format)
+    stored_extra = {from_format_name(n, cfg.algorithm) for n in form.extra_tensors(cfg)} if form else set()
     for name, t in head.borrowed.items():
         rows = cfg.vocab_size
         if tuple(t.shape) != (rows, cfg.hidden_size):
             raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, expected "
                               f"{_fmt_shape((rows, cfg.hidden_size))}")
-        if head.format == "speculators" and name == SPECULATORS_EMBED:
+        if name in stored_extra:  # the target's embedding a format stores (speculators)
             if want is not None and t.dtype != want:
                 raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
             if not bool(torch.isfinite(t.float()).all()):
@@ -223,20 +213,16 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
         if not ("d2t" in head.tensors and "t2d" in head.tensors):
             raise ExportError(f"{where}: d2t and t2d must be stored together")
         check_vocab_maps(head.tensors["d2t"], head.tensors["t2d"], str(where))
-    if head.format == "llamacpp" and not (where / LLAMACPP_FILE).is_file():
-        # Without it the folder is a vLLM folder under another name: the commands are what the format adds.
-        raise ExportError(f"{where}: a format=llamacpp folder holds {LLAMACPP_FILE} (the convert and serve "
-                          "commands); re-export it, or check it as the vLLM folder it otherwise is")
-    if head.format in FORMATS and head.raw_config:
-        _check_our_config(head, dtype)
+    if form is not None and head.raw_config:
+        _check_our_config(head, dtype)  # and the format's own checks (e.g. llamacpp's LLAMACPP.md)
         stored = set(format_keys(cfg, head.format))
         have = set(head.tensors) | set(head.borrowed)
         have_stored = {to_format_name(n, head.format, cfg.algorithm) for n in have}
-        if head.format == "speculators" and SPECULATORS_EMBED not in have_stored:
+        if form.stores_target_embedding and SPECULATORS_EMBED not in have_stored:
             # Written before speculators exports stored the embedding: still a valid head for vLLM and
             # eagle, but the speculators library would run it on a zero embedding.
             stored.discard(SPECULATORS_EMBED)
-            head.notes.append(f"no {SPECULATORS_EMBED}: the speculators library (0.9) would run this head on an "
+            head.notes.append(f"no {SPECULATORS_EMBED}: the {form.engine} library (0.9) would run this head on an "
                               "all-zero input embedding; re-export with this eagle to store the target's")
         if have_stored != stored:
             raise ExportError(f"{where}: tensor names {sorted(have_stored ^ stored)} differ from what "

@@ -30,6 +30,8 @@ from eagle.config import DraftConfig, TrainConfig
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
 
+# Formats whose EAGLE-1 model builds fc without a bias (vLLM's EagleLlamaForCausalLM); SGLang's has one.
+_NO_FC_BIAS = ("vllm",)
 
 class Eagle1(Algorithm):
     name: ClassVar[str] = Eagle1Head.algorithm
@@ -95,17 +97,17 @@ class Eagle1(Algorithm):
 
     # --- export --------------------------------------------------------------------------------
     def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:
-        if fmt in ("vllm", "third-party"):  # vLLM's EAGLE-1 has no fc bias; old checkpoints often do
+        if fmt in (*_NO_FC_BIAS, "third-party"):  # vLLM's EAGLE-1 has no fc bias; old checkpoints often do
             return {"fc.bias": torch.zeros(cfg.hidden_size)}
         return {}
 
     def format_tensors(self, spec: dict[str, Any], fmt: str) -> dict[str, Any]:
-        if fmt != "vllm":
+        if fmt not in _NO_FC_BIAS:
             return spec
         return {k: v for k, v in spec.items() if k != "fc.bias"}  # vLLM's EagleLlamaForCausalLM: fc without bias
 
     def export_tensors(self, cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-        if fmt != "vllm" or "fc.bias" not in tensors:
+        if fmt not in _NO_FC_BIAS or "fc.bias" not in tensors:
             return tensors
         tensors = dict(tensors)
         bias = tensors.pop("fc.bias")
@@ -116,4 +118,4 @@ class Eagle1(Algorithm):
         return tensors
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
-        return {"eagle_fc_bias": fmt != "vllm"}
+        return {"eagle_fc_bias": fmt not in _NO_FC_BIAS}

@@ -11,6 +11,7 @@ llama.cpp gets the vLLM folder plus the commands that convert and serve it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +24,36 @@ from eagle.algorithms.ttt import ttt_forward
 from eagle.heads.base import DraftHead, HeadConfig
 
 _SPECULATORS_PREFIX, _OURS_PREFIX = "layers.0.", "midlayer."
+# Formats that store the decoder layer under another prefix than ours (vLLM renames midlayer. itself).
+_LAYER_PREFIX = {"speculators": _SPECULATORS_PREFIX}
+# Formats whose config lists the aux layer ids in `eagle_config` shifted by this much: SGLang captures
+# layer (id + 1)'s input for each id listed there.
+_EAGLE_CONFIG_ID_SHIFT = {"sglang": -1}
 
+
+
+# What each engine cannot express of an EAGLE-3 head, read in its code (docs/serving.md keeps the table
+# with the files and lines): per format, checks that return the reason a head of that config is refused.
+# vLLM 0.32, SGLang 0.5.23 and speculators 0.9.0 build `fc_norm.{i}` and `norm_output` from the config keys
+# of those names, so those formats serve both options.
+_ENGINE_LIMITS: dict[str, tuple[Callable[[HeadConfig], str | None], ...]] = {
+    "llamacpp": (
+        lambda c: ("fc_norm=true: llama.cpp b11434 has no per-layer norm before fc; its converter knows one "
+                   "norm_before_fc over the whole concatenation of the aux layers and stops at 'fc_norm.0.weight' "
+                   "(convert_hf_to_gguf.py: conversion/llama.py LlamaModel.modify_tensors), and "
+                   "src/models/eagle3.cpp has no per-layer norms") if c.fc_norm else None,
+        lambda c: ("norm_output=true: llama.cpp b11434 feeds the pre-norm state back (src/models/eagle3.cpp sets "
+                   "t_h_nextn before output_norm) and its converter never reads norm_output (conversion/llama.py), "
+                   "so the GGUF would silently draft from other values") if c.norm_output else None,
+        lambda c: ("attention_bias=true: llama.cpp b11434's draft-eagle3 layer has no q/k/v/o biases "
+                   "(src/models/eagle3.cpp load_arch_tensors)") if c.attention_bias else None,
+    ),
+    "speculators": (
+        lambda c: (f"target_hidden_size={c.target_hidden_size} != hidden_size={c.hidden_size}: speculators 0.9.0 "
+                   "sizes fc and fc_norm from the draft's hidden size (speculators/models/eagle3/core.py "
+                   "Eagle3DraftModel.__init__)") if c.target_hidden_size != c.hidden_size else None,
+    ),
+}
 
 class Eagle3(Algorithm):
     name: ClassVar[str] = Eagle3Head.algorithm
@@ -90,8 +120,9 @@ class Eagle3(Algorithm):
 
     # --- export --------------------------------------------------------------------------------
     def export_tensor_name(self, name: str, fmt: str) -> str:
-        if fmt == "speculators" and name.startswith(_OURS_PREFIX):
-            return _SPECULATORS_PREFIX + name[len(_OURS_PREFIX):]
+        prefix = _LAYER_PREFIX.get(fmt)
+        if prefix is not None and name.startswith(_OURS_PREFIX):
+            return prefix + name[len(_OURS_PREFIX):]
         return name
 
     def canonical_tensor_name(self, name: str) -> str:
@@ -111,24 +142,7 @@ class Eagle3(Algorithm):
     # and `norm_output` from the config keys of those names, so those formats serve both options.
     def export_refusals(self, cfg: HeadConfig, fmt: str) -> list[str]:
         out = super().export_refusals(cfg, fmt)
-        if fmt == "llamacpp":
-            if cfg.fc_norm:
-                out.append("fc_norm=true: llama.cpp b11434 has no per-layer norm before fc; its converter knows "
-                           "one norm_before_fc over the whole concatenation of the aux layers and stops at "
-                           "'fc_norm.0.weight' (convert_hf_to_gguf.py: conversion/llama.py LlamaModel."
-                           "modify_tensors), and src/models/eagle3.cpp has no per-layer norms")
-            if cfg.norm_output:
-                out.append("norm_output=true: llama.cpp b11434 feeds the pre-norm state back (src/models/eagle3.cpp "
-                           "sets t_h_nextn before output_norm) and its converter never reads norm_output "
-                           "(conversion/llama.py), so the GGUF would silently draft from other values")
-            if cfg.attention_bias:
-                out.append("attention_bias=true: llama.cpp b11434's draft-eagle3 layer has no q/k/v/o biases "
-                           "(src/models/eagle3.cpp load_arch_tensors)")
-        if fmt == "speculators" and cfg.target_hidden_size != cfg.hidden_size:
-            out.append(f"target_hidden_size={cfg.target_hidden_size} != hidden_size={cfg.hidden_size}: speculators "
-                       "0.9.0 sizes fc and fc_norm from the draft's hidden size (speculators/models/eagle3/core.py "
-                       "Eagle3DraftModel.__init__)")
-        return out
+        return out + [reason for limit in _ENGINE_LIMITS.get(fmt, ()) if (reason := limit(cfg))]
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
@@ -136,10 +150,10 @@ class Eagle3(Algorithm):
         for name in ("fc_norm", "norm_output"):  # written only when on: older exports, and runtimes, default off
             if getattr(cfg, name):
                 out[name] = True
-        if fmt == "sglang":
-            # SGLang captures layer (id + 1)'s input for each id listed here.
+        shift = _EAGLE_CONFIG_ID_SHIFT.get(fmt)
+        if shift is not None:
             out["eagle_config"] = {"use_aux_hidden_state": True,
-                                   "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}
+                                   "eagle_aux_hidden_state_layer_ids": [i + shift for i in cfg.aux_layer_ids]}
         else:
             out["eagle_config"] = {"use_aux_hidden_state": True}
             out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
