@@ -42,7 +42,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from eagle.evaluate.plots import _figure, _save
+from eagle.evaluate.plots import new_figure, save_figure
 from eagle.fileio import atomic_write_json, atomic_write_text
 
 try:  # Hydra's callback base class (hydra-core >= 1.1)
@@ -357,7 +357,7 @@ def plot_curves(summary: dict[str, Any], path: Path) -> Path | None:
     curves = [(r, c) for r, c in curves if c]
     if summary["stage"] != "train" or not curves:
         return None
-    plt = _figure()
+    plt = new_figure()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row, curve in curves:
         steps, taus = zip(*curve, strict=True)
@@ -367,7 +367,7 @@ def plot_curves(summary: dict[str, Any], path: Path) -> Path | None:
     ax.set_title(f"{len(curves)} jobs of the sweep")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

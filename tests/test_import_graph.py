@@ -233,3 +233,16 @@ def test_startup_imports_keep_their_module_free_of_torch():
             "    assert 'torch' not in sys.modules, m + ' (or a module it imports) loads torch'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name starting with one underscore is its module's own: another module that needs it gets a public
+    name (renaming on import, `DTYPES as _DTYPES`, is the importer's business and allowed)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eagle":
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(private)}")
+    assert offenders == []

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def _figure():
+def new_figure():
+    """pyplot on the headless Agg backend, imported on first use."""
     import matplotlib  # heavy: matplotlib (~0.8 s), only when a plot is drawn
 
     matplotlib.use("Agg", force=True)  # headless: never try to open a window
@@ -20,7 +21,8 @@ def _figure():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Write `fig` to `path` (PNG) through a temporary file, so a reader never sees half a plot."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
     fig.tight_layout()
@@ -31,7 +33,7 @@ def _save(fig, path: Path) -> Path:
 
 def plot_accept_length_histogram(counts: Mapping[int, int], path: Path, title: str = "") -> Path:
     """Bar chart of how many verify steps emitted 1, 2, ... tokens (bonus token included)."""
-    plt = _figure()
+    plt = new_figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     total = sum(counts.values()) or 1
     xs = sorted(counts)
@@ -41,14 +43,14 @@ def plot_accept_length_histogram(counts: Mapping[int, int], path: Path, title: s
     ax.set_xticks(xs)
     ax.set_title(title or "Acceptance length distribution")
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
 
 def plot_accept_by_depth(rates: Sequence[float], fractions: Sequence[float], path: Path, title: str = "") -> Path:
     """Per-depth conditional acceptance rate and unconditional share of steps reaching the depth."""
-    plt = _figure()
+    plt = new_figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(1, len(rates) + 1), rates, "o-", label="P(accept d | accepted d-1)")
     ax.plot(range(1, len(fractions) + 1), fractions, "s--", label="share of steps accepting >= d")
@@ -59,7 +61,7 @@ def plot_accept_by_depth(rates: Sequence[float], fractions: Sequence[float], pat
     ax.legend()
     ax.set_title(title or "Acceptance by draft depth")
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
@@ -67,7 +69,7 @@ def plot_accept_by_depth(rates: Sequence[float], fractions: Sequence[float], pat
 def plot_speedup_vs_tree(sizes: Sequence[int], speedups: Sequence[float], taus: Sequence[float], path: Path,
                          title: str = "") -> Path:
     """Speedup over HF generate (left axis) and tau (right axis) against verified tree size."""
-    plt = _figure()
+    plt = new_figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, speedups, "o-", color="#C44E52", label="speedup vs HF generate")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
@@ -79,20 +81,20 @@ def plot_speedup_vs_tree(sizes: Sequence[int], speedups: Sequence[float], taus: 
     ax2.set_ylabel("tau (tokens per target forward)", color="#4C72B0")
     ax.set_title(title or "Speedup vs tree size")
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
 
 def plot_throughput(methods: Mapping[str, float], path: Path, title: str = "") -> Path:
     """Tokens per second of each decoding method."""
-    plt = _figure()
+    plt = new_figure()
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(methods)
     ax.barh(names, [methods[n] for n in names], color="#55A868")
     ax.set_xlabel("tokens / s")
     ax.set_title(title or "Decoding throughput")
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)

@@ -260,7 +260,7 @@ def export_head(head: DraftHead, output_dir: str | Path, fmt: str, dtype: str = 
                         verifier=verifier)
 
 
-def _trained_target_path(train_dir: Path | None) -> str | None:
+def trained_target_path(train_dir: Path | None) -> str | None:
     """`target.path` of the training run, from its resolved train_config.yaml."""
     if train_dir is None or not (train_dir / TRAIN_CONFIG).is_file():
         return None
@@ -296,7 +296,7 @@ def run_export(cfg: Any) -> ExportedHead:
         raise ExportError("draft.path is required: a training output dir, checkpoint dir or head folder")
     src, train_dir = resolve_head_source(cfg.draft.path)
     source = check_folder(src)
-    target_path = _trained_target_path(train_dir) or cfg.target.path
+    target_path = trained_target_path(train_dir) or cfg.target.path
     head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
                         target_path=target_path, speculative_tokens=served_chain_length(cfg, source.config),
                         embed_tokens=source.borrowed.get(SPECULATORS_EMBED),

@@ -22,7 +22,7 @@ from eagle.artifacts import CAPTURE_CONFIG, MANIFEST, REPORT, TRAIN_CONFIG, rege
 from eagle.config import ACCEPTANCE_RULES
 from eagle.decode.approximate import acceptance_label
 from eagle.errors import EagleError
-from eagle.export.exporter import _trained_target_path, resolve_head_source, served_chain_length, write_export
+from eagle.export.exporter import resolve_head_source, served_chain_length, trained_target_path, write_export
 from eagle.export.formats import SPECULATORS_EMBED, algorithm_of, hub_id_for_target
 from eagle.export.registry import get_format
 from eagle.export.validate import ExportedHead, check_folder
@@ -417,7 +417,7 @@ def run_publish(cfg: Any) -> Path:
         raise PublishError("publish.repo_id=USER/NAME is required to upload (or set publish.dry_run=true)")
     src, train_dir = resolve_head_source(cfg.draft.path)
     source = check_folder(src)
-    target_path = _trained_target_path(train_dir) or cfg.target.path
+    target_path = trained_target_path(train_dir) or cfg.target.path
     target = hub_id_for_target(target_path)
     reports = [load_report(r) for r in p.reports]
     notes = None
