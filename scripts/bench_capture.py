@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from eagle.capture.runner import (
+    FeatureSource,
     capture_splits,
     estimate_bytes,
     feature_rows,
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def capture() -> int:
         with tempfile.TemporaryDirectory() as tmp:
-            m = capture_splits(model, info, convs, Path(tmp), cfg.capture, cfg.draft.algorithm, aux,
+            m = capture_splits(FeatureSource.in_process(model, info), convs, Path(tmp), cfg.capture, cfg.draft.algorithm, aux,
                                {"fingerprint": data_fingerprint(cfg.data, splits), "config": {}},
                                progress=False, log=lambda s: None)
             return m["totals"]["bytes"]

@@ -158,7 +158,8 @@ def test_capture_ranks_run_the_same_number_of_target_forwards(monkeypatch, tmp_p
     forwards = []
     for rank in (0, 1):
         calls.clear()
-        runner.capture_splits(model, info_for(model), splits, tmp_path / f"rank{rank}", cap, "eagle3", None, DATA,
+        runner.capture_splits(runner.FeatureSource.in_process(model, info_for(model)), splits, tmp_path / f"rank{rank}",
+                              cap, "eagle3", None, DATA,
                               state=FakeRank(rank, 2), progress=False, log=lambda s: None)
         assert calls.count("real") == counts[rank]
         forwards.append(len(calls))

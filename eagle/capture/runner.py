@@ -320,66 +320,110 @@ def _capture_shard(
     return out
 
 
+@dataclass
+class FeatureSource:
+    """What computes the features: the target in this process (`in_process`), or a `forward` run elsewhere
+    (capture.backend=vllm), with the manifest's record of the engine."""
+
+    info: TargetInfo
+    forward: BatchForward
+    engine: dict[str, Any]
+    model: nn.Module | None = None  # the in-process target (a sharded one runs idle forwards)
+    device: torch.device | None = None
+
+    @classmethod
+    def in_process(cls, model: nn.Module, info: TargetInfo, device: torch.device | str | None = None
+                   ) -> FeatureSource:
+        place = torch.device(device) if device is not None else next(model.parameters()).device
+        return cls(info, model_forward(model, place), {"name": "transformers", "version": package_version("transformers")},
+                   model, place)
+
+
+@dataclass
+class _CaptureRun:
+    """One capture's plan, shared by its phases."""
+
+    root: Path
+    source: FeatureSource
+    capture: CaptureConfig
+    algorithm: str
+    aux_layer_ids: list[int] | None
+    jobs: list[ShardJob]
+    header: dict[str, Any]
+    state: ProcessState
+    log: Callable[[str], None]
+
+    @property
+    def rank(self) -> int:
+        return self.state.process_index
+
+    @property
+    def world(self) -> int:
+        return self.state.num_processes
+
+
 def capture_splits(
-    model: nn.Module | None,
-    info: TargetInfo,
+    source: FeatureSource,
     splits: dict[str, Sequence[Conversation]],
     output_dir: str | Path,
     capture: CaptureConfig,
     algorithm: str,
     aux_layer_ids: list[int] | None,
     data_identity: dict[str, Any],
-    device: torch.device | str | None = None,
     state: ProcessState | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-    forward: BatchForward | None = None,
-    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Capture `splits` ({"train": [...], "heldout": [...]}) into `output_dir`; return the manifest.
 
     Resumable: shards already recorded (by any earlier run, any world size) are skipped. Under
-    several processes every rank must call this with the same arguments. `forward` replaces the
-    in-process `model` (capture.backend=vllm: model None); `engine` is the manifest's record of what
-    computed the features (default: transformers and its version).
+    several processes every rank must call this with the same arguments. Phases: plan, check (read-only,
+    every rank alike), fold earlier progress (rank 0), capture this rank's shards, merge (rank 0).
     """
+    run = _plan(source, splits, Path(output_dir), capture, algorithm, aux_layer_ids, data_identity,
+                state or _SingleProcess(), log)
+    done, todo = _check_before_writing(run)
+    _fold_earlier_progress(run, done)
+    _capture_own_shards(run, todo, done, progress)
+    return _merge_manifests(run)
+
+
+def _plan(source: FeatureSource, splits: dict[str, Sequence[Conversation]], root: Path, capture: CaptureConfig,
+          algorithm: str, aux_layer_ids: list[int] | None, data_identity: dict[str, Any], state: ProcessState,
+          log: Callable[[str], None]) -> _CaptureRun:
+    """The algorithm's feature layers, the shards and the manifest header; nothing is read or written."""
     try:
         algo = get_algorithm(algorithm)
     except ConfigError as e:
         raise CaptureError(str(e)) from None
+    info = source.info
     if algo.num_aux_layers:
         aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(info.num_layers)
         check_layer_ids(aux_layer_ids, info.num_layers)
     else:
         aux_layer_ids = None
-    state = state or _SingleProcess()
-    rank, world = state.process_index, state.num_processes
-    if model is not None:
-        device = torch.device(device) if device is not None else next(model.parameters()).device
-        forward = forward or model_forward(model, device)
-    if forward is None:
-        raise ValueError("capture_splits needs a model or a forward")
-    engine = engine or {"name": "transformers", "version": package_version("transformers")}
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     jobs = plan_shards(splits, capture.shard_size)
     if not jobs:
         raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
-    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, engine)
+    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, source.engine)
+    return _CaptureRun(root, source, capture, algorithm, aux_layer_ids, jobs, header, state, log)
 
-    # 1. Identity, progress and disk space, read-only: every rank checks the same files, so all
-    #    refuse together (no rank is left waiting at a barrier) and a refused run writes nothing.
+
+def _check_before_writing(run: _CaptureRun) -> tuple[dict[tuple[str, int], dict[str, Any]], list[ShardJob]]:
+    """Identity, progress and disk space, read-only: every rank checks the same files, so all refuse together
+    (no rank is left waiting at a barrier) and a refused run writes nothing. Returns (done, to do)."""
+    root, capture, hidden = run.root, run.capture, run.source.info.hidden_size
+    root.mkdir(parents=True, exist_ok=True)
     if (root / MANIFEST).is_file():
-        check_same_capture(read_manifest(root), header, root)
+        check_same_capture(read_manifest(root), run.header, root)
     done = completed_shards(root)
-    todo = [j for j in jobs if (j.split, j.index) not in done]
-    remaining_tokens = sum(j.tokens for j in todo)
-    need = estimate_bytes(remaining_tokens, algorithm, info.hidden_size, capture.dtype)
-    total_tokens = sum(j.tokens for j in jobs)
-    if state.is_main_process:
-        log(
-            f"eagle-capture: {len(jobs)} shards ({len(jobs) - len(todo)} done), {total_tokens} tokens; "
-            f"estimated size {_human(estimate_bytes(total_tokens, algorithm, info.hidden_size, capture.dtype))} "
+    todo = [j for j in run.jobs if (j.split, j.index) not in done]
+    need = estimate_bytes(sum(j.tokens for j in todo), run.algorithm, hidden, capture.dtype)
+    total_tokens = sum(j.tokens for j in run.jobs)
+    if run.state.is_main_process:
+        run.log(
+            f"eagle-capture: {len(run.jobs)} shards ({len(run.jobs) - len(todo)} done), {total_tokens} tokens; "
+            f"estimated size {_human(estimate_bytes(total_tokens, run.algorithm, hidden, capture.dtype))} "
             f"({_human(need)} still to write) in {root}"
         )
     free = shutil.disk_usage(root).free
@@ -389,85 +433,90 @@ def capture_splits(
             f"(x capture.free_space_margin={capture.free_space_margin}); free space, choose another output_dir, "
             "or capture fewer conversations (data.max_conversations) / a smaller capture.dtype"
         )
+    return done, todo
 
-    # 2. Rank 0 clears what a killed run left (temporary files) and folds earlier per-rank progress
-    #    into manifest.json (merged file first, then the parts go: readers always see the union).
-    if state.is_main_process:
-        remove_stale_tmp(root)
-        atomic_write_json(root / MANIFEST, assemble_manifest(header, done))
-        for stale in root.glob(RANK_MANIFEST.format(rank="*")):
+
+def _fold_earlier_progress(run: _CaptureRun, done: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """Rank 0 clears what a killed run left (temporary files) and folds earlier per-rank progress into
+    manifest.json (merged file first, then the parts go: readers always see the union)."""
+    if run.state.is_main_process:
+        remove_stale_tmp(run.root)
+        atomic_write_json(run.root / MANIFEST, assemble_manifest(run.header, done))
+        for stale in run.root.glob(RANK_MANIFEST.format(rank="*")):
             stale.unlink(missing_ok=True)
-    state.wait_for_everyone()
-    mine = [j for j in todo if j.ordinal % world == rank]
+    run.state.wait_for_everyone()
 
-    # 3. Capture this rank's shards; a single background writer overlaps disk I/O with the next
-    #    shard's forwards (at most one shard waits in memory).
-    recorded: dict[tuple[str, int], dict[str, Any]] = dict(done) if world == 1 else {}
+
+def _shard_writer(run: _CaptureRun, done: dict[tuple[str, int], dict[str, Any]]
+                  ) -> Callable[[ShardJob, dict[str, list[torch.Tensor]]], None]:
+    """Writes one shard and records it: in manifest.json alone, or in this rank's part of it."""
+    recorded: dict[tuple[str, int], dict[str, Any]] = dict(done) if run.world == 1 else {}
 
     def write(job: ShardJob, feats: dict[str, list[torch.Tensor]]) -> None:
-        entry = write_shard(
-            root,
-            job.split,
-            job.index,
-            [str(c.id) for c in job.conversations],
-            [list(c.input_ids) for c in job.conversations],
-            [list(c.loss_mask) for c in job.conversations],
-            feats,
-            capture.dtype,
-        )
+        convs = job.conversations
+        entry = write_shard(run.root, job.split, job.index, [str(c.id) for c in convs],
+                            [list(c.input_ids) for c in convs], [list(c.loss_mask) for c in convs], feats,
+                            run.capture.dtype)
         recorded[(job.split, job.index)] = entry
-        if world == 1:
-            atomic_write_json(root / MANIFEST, assemble_manifest(header, recorded))
+        if run.world == 1:
+            atomic_write_json(run.root / MANIFEST, assemble_manifest(run.header, recorded))
         else:
             own = [recorded[k] for k in sorted(recorded)]
-            atomic_write_json(root / RANK_MANIFEST.format(rank=rank), {"rank": rank, "shards": own})
+            atomic_write_json(run.root / RANK_MANIFEST.format(rank=run.rank), {"rank": run.rank, "shards": own})
 
-    bar = tqdm(
-        total=sum(j.tokens for j in mine),
-        unit="tok",
-        unit_scale=True,
-        desc=f"capture[{rank}/{world}]" if world > 1 else "capture",
-        disable=not progress or not state.is_main_process,
-        file=sys.stderr,
-    )
+    return write
+
+
+def _capture_own_shards(run: _CaptureRun, todo: list[ShardJob], done: dict[tuple[str, int], dict[str, Any]],
+                        progress: bool) -> None:
+    """This rank's shards; a single background writer overlaps disk I/O with the next shard's forwards (at most
+    one shard waits in memory). A sharded target's ranks then even out their forward counts."""
+    rank, world, source = run.rank, run.world, run.source
+    mine = [j for j in todo if j.ordinal % world == rank]
+    write = _shard_writer(run, done)
+    bar = tqdm(total=sum(j.tokens for j in mine), unit="tok", unit_scale=True,
+               desc=f"capture[{rank}/{world}]" if world > 1 else "capture",
+               disable=not progress or not run.state.is_main_process, file=sys.stderr)
     pending: Future | None = None
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1) as writer:
         for job in mine:
-            feats = _capture_shard(forward, job, aux_layer_ids, capture, bar.update)
+            feats = _capture_shard(source.forward, job, run.aux_layer_ids, run.capture, bar.update)
             if pending is not None:
                 pending.result()  # bound memory to one shard in flight; re-raise write errors
             pending = writer.submit(write, job, feats)
-        if world > 1 and model is not None and is_sharded(model):
+        if world > 1 and source.model is not None and is_sharded(source.model):
             # Each forward of a sharded target all-gathers from every rank: a rank with fewer forwards than
             # the busiest one (fewer shards, or shorter ones) runs idle ones until it has run as many.
-            counts = forwards_per_rank(todo, world, capture.batch_tokens)
+            counts = forwards_per_rank(todo, world, run.capture.batch_tokens)
             for _ in range(max(counts) - counts[rank]):
-                idle_forward(model, device)
+                idle_forward(source.model, source.device)
         if pending is not None:
             pending.result()
     bar.close()
-    if mine and state.is_main_process:
+    if mine and run.state.is_main_process:
         tokens, seconds = sum(j.tokens for j in mine), time.perf_counter() - started
-        log(f"eagle-capture: this process captured {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s, "
-            "forwards and writes)")
+        run.log(f"eagle-capture: this process captured {tokens} tokens in {seconds:.1f} s "
+                f"({tokens / seconds:.1f} tok/s, forwards and writes)")
 
-    # 4. Merge: rank 0 collects every rank's entries into the final manifest.
-    state.wait_for_everyone()
-    if state.is_main_process:
-        manifest = assemble_manifest(header, completed_shards(root))
-        atomic_write_json(root / MANIFEST, manifest)
-        for part in root.glob(RANK_MANIFEST.format(rank="*")):
+
+def _merge_manifests(run: _CaptureRun) -> dict[str, Any]:
+    """Rank 0 collects every rank's entries into the final manifest; every rank returns it."""
+    run.state.wait_for_everyone()
+    if run.state.is_main_process:
+        manifest = assemble_manifest(run.header, completed_shards(run.root))
+        atomic_write_json(run.root / MANIFEST, manifest)
+        for part in run.root.glob(RANK_MANIFEST.format(rank="*")):
             part.unlink(missing_ok=True)
         t = manifest["totals"]
         per_token = t["bytes"] / max(1, t["tokens"])
-        log(
+        run.log(
             f"eagle-capture: {t['conversations']} conversations, {t['tokens']} tokens, {t['shards']} shards, "
-            f"{_human(t['bytes'])} ({t['bytes']} bytes, {per_token:.1f} bytes/token) in {root}"
+            f"{_human(t['bytes'])} ({t['bytes']} bytes, {per_token:.1f} bytes/token) in {run.root}"
             + ("" if manifest["complete"] else " -- INCOMPLETE: re-run to finish")
         )
-    state.wait_for_everyone()
-    return read_manifest(root)
+    run.state.wait_for_everyone()
+    return read_manifest(run.root)
 
 
 def run_capture(cfg: RootConfig) -> dict[str, Any]:
@@ -491,7 +540,7 @@ def run_capture(cfg: RootConfig) -> dict[str, Any]:
     # Rank 0 first: whatever the data stage caches is built once, then read by the others.
     with state.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=state.is_main_process)
-    return _capture_data_splits(cfg, model, info, splits, device=device, state=state)
+    return _capture_data_splits(cfg, FeatureSource.in_process(model, info, device), splits, state=state)
 
 
 def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
@@ -512,13 +561,13 @@ def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
     splits = build_splits(cfg.data, tokenizer)
     with engine:
         engine.bind(cfg.target, info, max(len(c.input_ids) for c in (*splits.train, *splits.heldout)))
-        return _capture_data_splits(cfg, None, info, splits, forward=engine.forward, engine=engine.describe())
+        return _capture_data_splits(cfg, FeatureSource(info, engine.forward, engine.describe()), splits)
 
 
-def _capture_data_splits(cfg: RootConfig, model: Any, info: TargetInfo, splits: DataSplits,
-                         **kwargs: Any) -> dict[str, Any]:
+def _capture_data_splits(cfg: RootConfig, source: FeatureSource, splits: DataSplits,
+                         state: ProcessState | None = None) -> dict[str, Any]:
     """`capture_splits` of the data stage's train and held-out splits, identified by the data's fingerprint and
-    config (what a resumed capture must match), with the backend's own keywords (device/state, forward/engine)."""
+    config (what a resumed capture must match)."""
     identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
-    return capture_splits(model, info, {"train": splits.train, "heldout": splits.heldout}, cfg.output_dir, cfg.capture,
-                          cfg.draft.algorithm, cfg.draft.aux_layer_ids, identity, **kwargs)
+    return capture_splits(source, {"train": splits.train, "heldout": splits.heldout}, cfg.output_dir, cfg.capture,
+                          cfg.draft.algorithm, cfg.draft.aux_layer_ids, identity, state=state)

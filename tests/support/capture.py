@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle.capture.runner import capture_splits
+from eagle.capture.runner import FeatureSource, capture_splits
 from eagle.capture.store import read_manifest
 from eagle.config import CaptureConfig
 from eagle.target.loading import TargetInfo
@@ -47,8 +47,8 @@ DATA = {"fingerprint": "data-0", "config": {"source": "test"}}
 
 def capture(model, splits, out, algorithm="eagle3", aux=None, fingerprint="tiny-llama-0", data=DATA, **cap):
     cfg = CaptureConfig(**{"shard_size": 4, "batch_tokens": 64, **cap})
-    return capture_splits(model, info_for(model, fingerprint), splits, out, cfg, algorithm, aux, data, progress=False,
-                          log=lambda s: None)
+    return capture_splits(FeatureSource.in_process(model, info_for(model, fingerprint)), splits, out, cfg, algorithm,
+                          aux, data, progress=False, log=lambda s: None)
 
 
 # --------------------------------------------------------------------------------------- CLI
