@@ -53,8 +53,9 @@ from eagle.capture.reader import check_compatible, read_manifest
 from eagle.config import ConfigError, RootConfig
 from eagle.data.dataset import build_splits
 from eagle.errors import CheckpointError, TrainingError
-from eagle.heads.base import DraftHead
+from eagle.heads.base import DraftHead, HeadConfig
 from eagle.heads.target_layer import pick_target_layer
+from eagle.target.loading import TargetInfo
 from eagle.target.shard import gathered, load_placed_target
 from eagle.tracking import Tracker
 from eagle.train import checkpoint as ckpt
@@ -168,22 +169,43 @@ class TrainRecipe:
 
     # --- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Accelerator, resume decision, target, data, head, optimizer, schedule, state, batches, tracker."""
-        cfg, t = self.cfg, self.cfg.train
+        """The run's phases, in order (the RNG draws of each depend on the ones before)."""
+        self._setup_runtime()
+        target, info, head_cfg = self._setup_target_and_data()
+        head = self._setup_head(target, head_cfg)
+        optimizer = self._setup_optimizer()
+        self._restore_or_start(head, optimizer, head_cfg, info)
+        self._setup_step(head, optimizer)
+        self._setup_tracking(info)
+
+    def _setup_runtime(self) -> None:
+        """Accelerator and processes; which checkpoint (if any) this run resumes, and the record a later
+        resume is compared with."""
+        cfg = self.cfg
         self.accelerator = acc = make_accelerator(cfg)
         self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
         self.resume_from = checkpoint_to_resume(cfg, log=print if acc.is_main_process else None)
-        self.resume_record = run_record(cfg)  # stored in every checkpoint: what a later resume is compared with
+        self.resume_record = run_record(cfg)  # stored in every checkpoint
 
-        # target.shard=fsdp: decoder layers sharded; the embeddings, final norm and LM head the head reads
-        # below (build_head, freeze_lm_head, self.lm_head) stay whole in every process (eagle/target/shard.py).
+    def _setup_target_and_data(self) -> tuple[nn.Module, TargetInfo, HeadConfig]:
+        """The frozen target, the head's config sized from it, and the training and held-out splits.
+
+        target.shard=fsdp: decoder layers sharded; the embeddings, final norm and LM head the head reads
+        (build_head, freeze_lm_head, self.lm_head) stay whole in every process (eagle/target/shard.py)."""
+        cfg = self.cfg
         target, tokenizer, info = load_placed_target(cfg.target, device=self.device)
         head_cfg = head_config_from_target(target.config, cfg.draft, info)
-        aux = list(head_cfg.aux_layer_ids)
-        self.train_split, self.held_split = _build_data(cfg, target, tokenizer, info, aux, acc)
+        self.train_split, self.held_split = _build_data(cfg, target, tokenizer, info, list(head_cfg.aux_layer_ids),
+                                                        self.accelerator)
         self.pad_id = int(tokenizer.pad_token_id or 0)
+        return target, info, head_cfg
+
+    def _setup_head(self, target: nn.Module, head_cfg: HeadConfig) -> DraftHead:
+        """The head: fresh (a reduced vocabulary chosen from the training split's tokens), warm-started or
+        from a target layer where asked, its LM head frozen where asked; the parameters that train."""
+        t = self.cfg.train
         counts = None
-        if head_cfg.draft_vocab_size < head_cfg.vocab_size:  # a reduced vocabulary is chosen from the data
+        if head_cfg.draft_vocab_size < head_cfg.vocab_size:
             counts = self.train_split.token_counts(head_cfg.vocab_size)  # [V] loss-mask tokens of the training split
         torch.manual_seed(t.seed)  # the same initial head on every rank and every run
         head = build_head(head_cfg, target_model=target, vocab_counts=counts).to(self.device)
@@ -197,9 +219,18 @@ class TrainRecipe:
         head.train()
         self.lm_head = target.get_output_embeddings()
         self.params = [p for p in head.parameters() if p.requires_grad]
-        optimizer = build_optimizer(self.params, t)
-        self.scheduler = build_scheduler(optimizer, t, clock=self.budget_spent)
+        return head
 
+    def _setup_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(self.params, self.cfg.train)
+        self.scheduler = build_scheduler(optimizer, self.cfg.train, clock=self.budget_spent)
+        return optimizer
+
+    def _restore_or_start(self, head: DraftHead, optimizer: torch.optim.Optimizer, head_cfg: HeadConfig,
+                          info: TargetInfo) -> None:
+        """A fresh TrainState, or the checkpoint's: head, optimizer, schedule, data position and random
+        streams as they were (the per-rank streams, e.g. EAGLE-1's feature noise, restored exactly)."""
+        aux = list(head_cfg.aux_layer_ids)
         self.state = ckpt.TrainState(algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint,
                                      aux_layer_ids=aux, world_size=self.world)
         rng = None
@@ -214,24 +245,30 @@ class TrainRecipe:
             self.state = saved
             self.state.world_size = self.world
             self.wall_before = saved.wall_seconds
-        # Per-rank random streams (EAGLE-1 feature noise); restored exactly on resume.
-        torch.manual_seed(t.seed * 1000 + self.rank + 1)
+        torch.manual_seed(self.cfg.train.seed * 1000 + self.rank + 1)
         if rng is not None:
             ckpt.set_rng_state(rng)
 
+    def _setup_step(self, head: DraftHead, optimizer: torch.optim.Optimizer) -> None:
+        """The batch stream from the saved data position, the algorithm's loss settings, the prepared step."""
+        t = self.cfg.train
         self.stream = BatchStream(self.train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, self.pad_id,
                                   self.rank, self.world, DataPosition(self.state.epoch, self.state.index),
                                   group_lengths=t.group_by_length)
-        algo = self.algorithm = get_algorithm(cfg.draft.algorithm)
-        self.settings = algo.loss_settings(cfg.draft, t, self.pad_id, training=True)
+        algo = self.algorithm = get_algorithm(self.cfg.draft.algorithm)
+        self.settings = algo.loss_settings(self.cfg.draft, t, self.pad_id, training=True)
         self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)
-        self.wrapper, self.optimizer = acc.prepare(TrainStep(head, self.lm_head, self.settings), optimizer)
+        self.wrapper, self.optimizer = self.accelerator.prepare(TrainStep(head, self.lm_head, self.settings), optimizer)
+
+    def _setup_tracking(self, info: TargetInfo) -> None:
+        """The result record, the tracker and the counters of logging, evaluation and saving."""
+        cfg, acc = self.cfg, self.accelerator
         self.result = TrainResult(output_dir=self.out, step=self.state.step, stopped="max_steps", best_dir=None,
                                   best_metric=self.state.best_metric, best_step=self.state.best_step,
                                   last_checkpoint=self.resume_from, skipped_steps=list(self.state.skipped_steps))
         self.head_extra = {"target": info.source, "target_fingerprint": info.fingerprint}
         self.tracker = Tracker(cfg.logger, self.out, json.loads(json.dumps(asdict(cfg), default=str)),
-                               total=t.max_steps, initial=self.state.step, enabled=acc.is_main_process)
+                               total=cfg.train.max_steps, initial=self.state.step, enabled=acc.is_main_process)
         self.window = MetricSums()  # training sums since the last log line
         self.window_t0, self.window_busy0 = time.perf_counter(), self.timer.total(_NOT_TRAINING)
         self.last_saved_step = self.state.step if self.resume_from is not None else -1
