@@ -389,62 +389,96 @@ def _positive(name: str, value: float | int | None, allow_zero: bool = False) ->
         raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
 def validate(cfg: RootConfig) -> RootConfig:
-    """Range and consistency checks that the dataclass types cannot express."""
-    dtypes = ("float32", "bfloat16", "float16")
-    _choice("target.dtype", cfg.target.dtype, ("auto", *dtypes))
-    _choice("target.cpu_gemm", cfg.target.cpu_gemm, ("auto", "stock", "transposed"))
-    _choice("target.shard", cfg.target.shard, ("none", "fsdp"))
-    _choice("data.source", cfg.data.source, ("sharegpt", "local", "hub"))
-    _choice("data.format", cfg.data.format, ("auto", "sharegpt", "openai"))
-    _choice("data.overflow", cfg.data.overflow, ("truncate", "drop"))
-    _positive("data.max_length", cfg.data.max_length)
-    _positive("data.max_conversations", cfg.data.max_conversations)
-    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction={cfg.data.heldout_fraction} must be in [0, 1)")
-    if cfg.data.source == "local" and not cfg.data.path:
+    """Range and consistency checks that the dataclass types cannot express, section by section."""
+    _check_target(cfg.target)
+    _check_data(cfg.data)
+    _check_regenerate(cfg.regenerate)
+    _check_capture(cfg.capture)
+    _check_draft(cfg.draft)
+    _check_train(cfg.train)
+    _check_decode(cfg)
+    _check_eval_export(cfg)
+    return cfg
+
+
+def _check_target(target: TargetConfig) -> None:
+    """target.*"""
+    _choice("target.dtype", target.dtype, ("auto", *_DTYPE_NAMES))
+    _choice("target.cpu_gemm", target.cpu_gemm, ("auto", "stock", "transposed"))
+    _choice("target.shard", target.shard, ("none", "fsdp"))
+
+
+def _check_data(data: DataConfig) -> None:
+    """data.*"""
+    _choice("data.source", data.source, ("sharegpt", "local", "hub"))
+    _choice("data.format", data.format, ("auto", "sharegpt", "openai"))
+    _choice("data.overflow", data.overflow, ("truncate", "drop"))
+    _positive("data.max_length", data.max_length)
+    _positive("data.max_conversations", data.max_conversations)
+    if not 0.0 <= data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction={data.heldout_fraction} must be in [0, 1)")
+    if data.source == "local" and not data.path:
         raise ConfigError("data=local needs data.path=FILE (a .json, .jsonl or .parquet conversation file)")
-    if cfg.data.source == "hub" and not cfg.data.path:
+    if data.source == "hub" and not data.path:
         raise ConfigError("data=hub needs data.path=NAME (a Hugging Face data set name)")
-    _choice("regenerate.engine", cfg.regenerate.engine, ("continuous", "generate"))
-    _positive("regenerate.batch_size", cfg.regenerate.batch_size)
-    _positive("regenerate.max_new_tokens", cfg.regenerate.max_new_tokens)
-    _positive("regenerate.temperature", cfg.regenerate.temperature, allow_zero=True)
-    _positive("regenerate.max_turns", cfg.regenerate.max_turns)
-    _choice("regenerate.reasoning", cfg.regenerate.reasoning, ("keep", "drop", "off"))
-    _positive("regenerate.max_prompt_tokens", cfg.regenerate.max_prompt_tokens)
-    _choice("regenerate.backend", cfg.regenerate.backend, ("local", "server"))
-    _choice("regenerate.server_engine", cfg.regenerate.server_engine,
+
+
+def _check_regenerate(r: RegenerateConfig) -> None:
+    """regenerate.*: engines, limits, servers"""
+    _choice("regenerate.engine", r.engine, ("continuous", "generate"))
+    _positive("regenerate.batch_size", r.batch_size)
+    _positive("regenerate.max_new_tokens", r.max_new_tokens)
+    _positive("regenerate.temperature", r.temperature, allow_zero=True)
+    _positive("regenerate.max_turns", r.max_turns)
+    _choice("regenerate.reasoning", r.reasoning, ("keep", "drop", "off"))
+    _positive("regenerate.max_prompt_tokens", r.max_prompt_tokens)
+    _choice("regenerate.backend", r.backend, ("local", "server"))
+    _choice("regenerate.server_engine", r.server_engine,
             ("auto", "vllm", "sglang", "llama.cpp", "transformers", "openai"))
-    _positive("regenerate.requests_per_server", cfg.regenerate.requests_per_server)
-    _positive("regenerate.request_timeout", cfg.regenerate.request_timeout)
-    if cfg.regenerate.backend == "server" and not cfg.regenerate.servers:
+    _positive("regenerate.requests_per_server", r.requests_per_server)
+    _positive("regenerate.request_timeout", r.request_timeout)
+    if r.backend == "server" and not r.servers:
         raise ConfigError("regenerate.backend=server needs regenerate.servers=[http://HOST:PORT,...] "
                           "(the base URLs of OpenAI-compatible servers)")
-    for url in cfg.regenerate.servers:
+    for url in r.servers:
         scheme, _, rest = str(url).partition("://")
         if scheme not in ("http", "https") or not rest.split("/")[0]:
             raise ConfigError(f"regenerate.servers: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
-    _choice("capture.dtype", cfg.capture.dtype, dtypes)
-    _positive("capture.shard_size", cfg.capture.shard_size)
-    _positive("capture.batch_tokens", cfg.capture.batch_tokens)
-    _choice("capture.backend", cfg.capture.backend, ("hf", "vllm"))
-    _choice("capture.vllm_connector", cfg.capture.vllm_connector, ("auto", "vllm", "cpu"))
-    _positive("capture.tensor_parallel_size", cfg.capture.tensor_parallel_size)
-    _positive("capture.vllm_timeout_s", cfg.capture.vllm_timeout_s)
-    _positive("draft.draft_vocab_size", cfg.draft.draft_vocab_size)
-    _positive("draft.feature_noise_std", cfg.draft.feature_noise_std, allow_zero=True)
-    if cfg.draft.aux_layer_ids is not None and len(cfg.draft.aux_layer_ids) != 3:
-        raise ConfigError(f"draft.aux_layer_ids={cfg.draft.aux_layer_ids} must list 3 layers (low, mid, high)")
-    if cfg.draft.block_size < 2:
-        raise ConfigError(f"draft.block_size={cfg.draft.block_size} must be >= 2 (the anchor and at least one draft)")
-    _positive("draft.num_layers", cfg.draft.num_layers)
-    if cfg.draft.parallel_tokens < 2:
-        raise ConfigError(f"draft.parallel_tokens={cfg.draft.parallel_tokens} must be >= 2 (the root's own draft "
+
+
+def _check_capture(capture: CaptureConfig) -> None:
+    """capture.*"""
+    _choice("capture.dtype", capture.dtype, _DTYPE_NAMES)
+    _positive("capture.shard_size", capture.shard_size)
+    _positive("capture.batch_tokens", capture.batch_tokens)
+    _choice("capture.backend", capture.backend, ("hf", "vllm"))
+    _choice("capture.vllm_connector", capture.vllm_connector, ("auto", "vllm", "cpu"))
+    _positive("capture.tensor_parallel_size", capture.tensor_parallel_size)
+    _positive("capture.vllm_timeout_s", capture.vllm_timeout_s)
+
+
+def _check_draft(draft: DraftConfig) -> None:
+    """draft.*: sizes the algorithms share"""
+    _positive("draft.draft_vocab_size", draft.draft_vocab_size)
+    _positive("draft.feature_noise_std", draft.feature_noise_std, allow_zero=True)
+    if draft.aux_layer_ids is not None and len(draft.aux_layer_ids) != 3:
+        raise ConfigError(f"draft.aux_layer_ids={draft.aux_layer_ids} must list 3 layers (low, mid, high)")
+    if draft.block_size < 2:
+        raise ConfigError(f"draft.block_size={draft.block_size} must be >= 2 (the anchor and at least one draft)")
+    _positive("draft.num_layers", draft.num_layers)
+    if draft.parallel_tokens < 2:
+        raise ConfigError(f"draft.parallel_tokens={draft.parallel_tokens} must be >= 2 (the root's own draft "
                           "and at least one parallel slot)")
-    if cfg.draft.mask_token_id is not None and cfg.draft.mask_token_id < 0:
-        raise ConfigError(f"draft.mask_token_id={cfg.draft.mask_token_id} must be a token id >= 0 (or null)")
-    t = cfg.train
+    if draft.mask_token_id is not None and draft.mask_token_id < 0:
+        raise ConfigError(f"draft.mask_token_id={draft.mask_token_id} must be a token id >= 0 (or null)")
+
+
+def _check_train(t: TrainConfig) -> None:
+    """train.*: choices, ranges, and settings that exclude each other"""
     _choice("train.mode", t.mode, ("offline", "online"))
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     _choice("train.optimizer", t.optimizer, ("adamw", "sgd"))
@@ -474,6 +508,10 @@ def validate(cfg: RootConfig) -> RootConfig:
     if t.init_layer_from_target is not None and t.init_from:
         raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
                           f"train.init_from={t.init_from!r} a trained one: set one of them")
+
+
+def _check_decode(cfg: RootConfig) -> None:
+    """decode.*: tree, drafts, acceptance rule (and what an approximate rule excludes)"""
     d = cfg.decode
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
@@ -515,6 +553,10 @@ def validate(cfg: RootConfig) -> RootConfig:
                               f"numerics, which decode.acceptance={d.acceptance} (approximate, not lossless) does not "
                               "promise: drop eval.divergence_check (the match fraction is reported) or use "
                               "decode.acceptance=exact")
+
+
+def _check_eval_export(cfg: RootConfig) -> None:
+    """eval.*, export.*, logger.*"""
     _choice("eval.turns", cfg.eval.turns, ("first", "all"))
     _positive("eval.max_prompts", cfg.eval.max_prompts)
     _positive("eval.prompt_lookup_num_tokens", cfg.eval.prompt_lookup_num_tokens)
@@ -524,10 +566,9 @@ def validate(cfg: RootConfig) -> RootConfig:
         _choice("eval.baselines", baseline, ("autoregressive", "hf_generate", "prompt_lookup"))
     for size in cfg.eval.tree_sweep:
         _positive("eval.tree_sweep", size)
-    _choice("export.dtype", cfg.export.dtype, dtypes)
+    _choice("export.dtype", cfg.export.dtype, _DTYPE_NAMES)
     _positive("export.speculative_tokens", cfg.export.speculative_tokens)
     _choice("logger.name", cfg.logger.name, ("console", "wandb"))
-    return cfg
 
 
 def _reject_unknown_keys(node: Any, schema: type, prefix: str) -> None:
