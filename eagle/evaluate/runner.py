@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from eagle.algorithms import get_algorithm
-from eagle.artifacts import resolve_draft
+from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
 from eagle.decode.approximate import AcceptanceRule, acceptance_label
@@ -41,7 +41,8 @@ from eagle.evaluate.divergence import divergence_at
 from eagle.evaluate.divergence import summarize as summarize_divergence
 from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record, write_report
 from eagle.export.loader import load_draft
-from eagle.target.loading import load_target
+from eagle.heads.base import DraftHead
+from eagle.target.loading import TargetInfo, load_target
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"
@@ -296,6 +297,25 @@ def _plots(report: dict[str, Any], out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in files.items()}
 
 
+@dataclass
+class _Session:
+    """What one evaluation runs with: the loaded target and head, the decoder and the methods it times."""
+
+    target: Any
+    tokenizer: Any
+    info: TargetInfo
+    head: DraftHead
+    draft: ResolvedDraft
+    device: torch.device
+    decode: DecodeConfig
+    generator: SpeculativeGenerator
+    runners: dict[str, TurnRunner]
+    stop_ids: list[int]
+    rule: AcceptanceRule
+    check: bool  # greedy divergences rechecked in float32 (exact rule only)
+    divergence: Any
+
+
 def evaluate(cfg: RootConfig) -> dict[str, Any]:
     """Run the evaluation described by `cfg`; write report.json, report.md and plots to `cfg.output_dir`."""
     if not cfg.draft.path:
@@ -308,84 +328,109 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
     if cfg.eval.num_threads:
         torch.set_num_threads(cfg.eval.num_threads)  # one setting for every method, restored on exit
     try:
-        device = resolve_device(cfg)
-        target, tokenizer, info = load_target(cfg.target, device=device, stage="decode")
-        head, draft = load_draft(cfg.draft.path, target, device=device)
-        decode = copy.deepcopy(cfg.decode)
-        generator = SpeculativeGenerator(target, head, tokenizer, decode, device=device)
-        if decode.tree == "auto":
-            # Time verify passes per candidate size now, so that it is not charged to the first prompt.
-            generator.calibrate()
-        runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
-        stop_ids = stop_token_ids(target, tokenizer)
-        rule = AcceptanceRule.from_config(decode)
-        # The float32 recheck of greedy divergences claims losslessness: only for the exact rule (config
-        # validation refuses eval.divergence_check=true with an approximate one, which reports the match only).
-        check = rule.lossless if cfg.eval.divergence_check is None else cfg.eval.divergence_check
-        divergence = _divergence_fn(cfg, target, device, info.dtype) if check else None
-
+        session = _start(cfg)
         # Warm-up: first calls pay for allocator growth and kernel selection; not measured.
         for prompt in tqdm(prompts[: cfg.eval.warmup_prompts], desc="warm-up", unit="prompt"):
-            run_prompt(replace(prompt, turns=prompt.turns[:1]), tokenizer, runners, decode.temperature, stop_ids)
-
-        progress = out / PROGRESS
-        fingerprint = _fingerprint(cfg, decode, draft.folder, info.fingerprint)
-        done = _load_progress(progress, fingerprint)
-        if not done and progress.exists():
-            progress.unlink()
-        reused = [p.id for p in prompts if p.id in done]
-        if reused:
-            log.warning("reusing %d finished prompts from %s (same settings); delete it to measure them again",
-                        len(reused), progress)
-        per_prompt = []
-        for prompt in tqdm(prompts, desc="eval", unit="prompt"):
-            if prompt.id in done:
-                per_prompt.append(done[prompt.id])
-                continue
-            rec = run_prompt(prompt, tokenizer, runners, decode.temperature, stop_ids, divergence)
-            _append_progress(progress, fingerprint, rec)
-            per_prompt.append(rec)
-
-        block_size = head.config.block_size if head.drafts_block else None
-        drafts = get_algorithm(head.config.algorithm).block_drafts(head.config)
-        report = aggregate(per_prompt, decode.temperature, _max_depth(decode, drafts), acceptance=rule.settings())
-        if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines and check:
-            turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
-            report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)
-            report["divergence"]["dtype"] = info.dtype
-        if cfg.eval.tree_sweep:
-            report["tree_sweep"] = run_tree_sweep(cfg, target, head, tokenizer, device, decode, prompts, per_prompt)
-        report["settings"] = {
-            "target": cfg.target.path,
-            "target_fingerprint": info.fingerprint,
-            "dtype": info.dtype,  # the target's, every method alike (target.dtype resolved)
-            "cpu_gemm": info.gemm,  # the target's kernel for float32 CPU products of 2-32 rows, every method alike
-            "draft_dtype": generator.draft_dtype,  # the head's compute dtype (decode.draft_dtype resolved)
-            "draft_weights": generator.draft_weights,  # full | int8 | int8_weight_only (resolved)
-            "draft_path": cfg.draft.path,
-            "draft_folder": str(draft.folder),
-            "draft_kind": draft.via,
-            "algorithm": head.config.algorithm,
-            "block_size": block_size,  # tokens a draft pass fills (block drafters; null for EAGLE heads)
-            "prompts": cfg.eval.prompts,
-            "prompt_ids": [p.id for p in prompts],
-            "turns": cfg.eval.turns,
-            "temperature": decode.temperature,
-            "top_p": decode.top_p,
-            "top_k": decode.top_k,
-            "max_new_tokens": decode.max_new_tokens,
-            "seed": decode.seed,
-            "tree": tree_settings(decode),
-            "auto_verify_seconds": ({str(k): v for k, v in generator.verify_times.items()}
-                                    if generator.verify_times else None),
-            "warmup_prompts": cfg.eval.warmup_prompts,
-            "resumed_prompt_ids": reused,
-            "prompt_lookup_num_tokens": cfg.eval.prompt_lookup_num_tokens,
-            "hardware": hardware_info(device),
-        }
-        report["per_prompt"] = per_prompt
+            run_prompt(replace(prompt, turns=prompt.turns[:1]), session.tokenizer, session.runners,
+                       session.decode.temperature, session.stop_ids)
+        per_prompt, reused = _run_prompts(cfg, session, prompts, out)
+        report = _report(cfg, session, prompts, per_prompt, reused)
         report["plots"] = _plots(report, out)
         write_report(report, out)
         return report
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _start(cfg: RootConfig) -> _Session:
+    """Target, head, the speculative decoder (its verify passes timed now, not on the first prompt) and the
+    baselines, each as a runner of one turn."""
+    device = resolve_device(cfg)
+    target, tokenizer, info = load_target(cfg.target, device=device, stage="decode")
+    head, draft = load_draft(cfg.draft.path, target, device=device)
+    decode = copy.deepcopy(cfg.decode)
+    generator = SpeculativeGenerator(target, head, tokenizer, decode, device=device)
+    if decode.tree == "auto":
+        generator.calibrate()
+    runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
+    rule = AcceptanceRule.from_config(decode)
+    # The float32 recheck of greedy divergences claims losslessness: only for the exact rule (config
+    # validation refuses eval.divergence_check=true with an approximate one, which reports the match only).
+    check = rule.lossless if cfg.eval.divergence_check is None else cfg.eval.divergence_check
+    divergence = _divergence_fn(cfg, target, device, info.dtype) if check else None
+    return _Session(target, tokenizer, info, head, draft, device, decode, generator, runners,
+                    stop_token_ids(target, tokenizer), rule, check, divergence)
+
+
+def _run_prompts(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], out: Path
+                 ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every prompt's record, reusing those a run with the same settings finished (progress file), each new
+    one appended as it finishes. Returns (records, ids reused)."""
+    progress = out / PROGRESS
+    fingerprint = _fingerprint(cfg, s.decode, s.draft.folder, s.info.fingerprint)
+    done = _load_progress(progress, fingerprint)
+    if not done and progress.exists():
+        progress.unlink()
+    reused = [p.id for p in prompts if p.id in done]
+    if reused:
+        log.warning("reusing %d finished prompts from %s (same settings); delete it to measure them again",
+                    len(reused), progress)
+    per_prompt = []
+    for prompt in tqdm(prompts, desc="eval", unit="prompt"):
+        if prompt.id in done:
+            per_prompt.append(done[prompt.id])
+            continue
+        rec = run_prompt(prompt, s.tokenizer, s.runners, s.decode.temperature, s.stop_ids, s.divergence)
+        _append_progress(progress, fingerprint, rec)
+        per_prompt.append(rec)
+    return per_prompt, reused
+
+
+def _report(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]],
+            reused: list[str]) -> dict[str, Any]:
+    """The report: aggregates, greedy divergences, the tree sweep, the settings it ran with, the records."""
+    decode, head = s.decode, s.head
+    drafts = get_algorithm(head.config.algorithm).block_drafts(head.config)
+    report = aggregate(per_prompt, decode.temperature, _max_depth(decode, drafts), acceptance=s.rule.settings())
+    if decode.temperature == 0 and "hf_generate" in cfg.eval.baselines and s.check:
+        turns = [t.get("divergence") for p in per_prompt for t in p["turns"]]
+        report["divergence"] = summarize_divergence(turns, cfg.eval.divergence_margin_limit)
+        report["divergence"]["dtype"] = s.info.dtype
+    if cfg.eval.tree_sweep:
+        report["tree_sweep"] = run_tree_sweep(cfg, s.target, head, s.tokenizer, s.device, decode, prompts, per_prompt)
+    report["settings"] = _settings(cfg, s, prompts, reused)
+    report["per_prompt"] = per_prompt
+    return report
+
+
+def _settings(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], reused: list[str]) -> dict[str, Any]:
+    decode, info, generator = s.decode, s.info, s.generator
+    return {
+        "target": cfg.target.path,
+        "target_fingerprint": info.fingerprint,
+        "dtype": info.dtype,  # the target's, every method alike (target.dtype resolved)
+        "cpu_gemm": info.gemm,  # the target's kernel for float32 CPU products of 2-32 rows, every method alike
+        "draft_dtype": generator.draft_dtype,  # the head's compute dtype (decode.draft_dtype resolved)
+        "draft_weights": generator.draft_weights,  # full | int8 | int8_weight_only (resolved)
+        "draft_path": cfg.draft.path,
+        "draft_folder": str(s.draft.folder),
+        "draft_kind": s.draft.via,
+        "algorithm": s.head.config.algorithm,
+        # tokens a draft pass fills (block drafters; null for EAGLE heads)
+        "block_size": s.head.config.block_size if s.head.drafts_block else None,
+        "prompts": cfg.eval.prompts,
+        "prompt_ids": [p.id for p in prompts],
+        "turns": cfg.eval.turns,
+        "temperature": decode.temperature,
+        "top_p": decode.top_p,
+        "top_k": decode.top_k,
+        "max_new_tokens": decode.max_new_tokens,
+        "seed": decode.seed,
+        "tree": tree_settings(decode),
+        "auto_verify_seconds": ({str(k): v for k, v in generator.verify_times.items()}
+                                if generator.verify_times else None),
+        "warmup_prompts": cfg.eval.warmup_prompts,
+        "resumed_prompt_ids": reused,
+        "prompt_lookup_num_tokens": cfg.eval.prompt_lookup_num_tokens,
+        "hardware": hardware_info(s.device),
+    }
