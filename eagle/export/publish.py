@@ -325,8 +325,19 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
                speculative_tokens: int = 4, sources: list[str] | None = None) -> str:
     """README.md: YAML metadata + usage + measured figures (grouped by machine; `sources` names each report's
     file in its row) + how it was made."""
-    c = head.config
-    algo_tag = c.algorithm
+    lines = ["---", yaml.safe_dump(_card_metadata(head, fmt, target, license, provenance), sort_keys=False).strip(),
+             "---", "", *_card_head(head, fmt, target), "", "## Usage", ""]
+    lines += get_format(fmt).usage(algorithm_of(head.config), target, repo_id or "<repo-id>", speculative_tokens, head)
+    lines += ["", "With `eagle` itself (any format):", "", "```bash",
+              f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
+    lines += _card_figures(reports, sources)
+    lines += _card_training(provenance, notes)
+    return "\n".join(lines) + "\n"
+
+
+def _card_metadata(head: ExportedHead, fmt: str, target: str, license: str, provenance: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The card's YAML block: base model, library, license, tags and the data set the prompts came from."""
     data_source = provenance.get("data_source")
     datasets = []
     if data_source == "hub" and provenance.get("data_path"):
@@ -340,46 +351,51 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
         "library_name": get_format(fmt).library,
         "license": license,
         "pipeline_tag": "text-generation",
-        "tags": ["eagle", algo_tag, "speculative-decoding", "draft-model", fmt],
+        "tags": ["eagle", head.config.algorithm, "speculative-decoding", "draft-model", fmt],
     }
     if datasets:
         meta["datasets"] = datasets
-    name = repo_id or "<repo-id>"
-    spec = algorithm_of(c)
-    algo = spec.title
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
-             f"# {algo} draft head for {target}", "",
+    return meta
+
+
+def _card_head(head: ExportedHead, fmt: str, target: str) -> list[str]:
+    """Title, one sentence and the head's shape."""
+    c = head.config
+    algo = algorithm_of(c).title
+    dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in head.tensors.values() if t.is_floating_point()}))
+    lines = [f"# {algo} draft head for {target}", "",
              f"A speculative-decoding draft head ({algo}) for [{target}](https://huggingface.co/{target}), "
-             f"trained and exported with `eagle` (format `{fmt}`, dtype "
-             f"{', '.join(sorted({str(t.dtype).replace('torch.', '') for t in head.tensors.values() if t.is_floating_point()}))}).",
-             "",
+             f"trained and exported with `eagle` (format `{fmt}`, dtype {dtypes}).", "",
              f"- hidden size {c.hidden_size}, {c.num_attention_heads} attention heads ({c.num_key_value_heads} KV), "
              f"intermediate {c.intermediate_size}, one decoder layer",
-             f"- target vocabulary {c.vocab_size}, draft vocabulary {c.draft_vocab_size}",
-             ]
+             f"- target vocabulary {c.vocab_size}, draft vocabulary {c.draft_vocab_size}"]
     if c.aux_layer_ids:
         lines.append(f"- target feature layers (input of decoder layer i): {c.aux_layer_ids}")
-    lines += ["", "## Usage", ""]
-    lines += get_format(fmt).usage(spec, target, name, speculative_tokens, head)
-    lines += ["", "With `eagle` itself (any format):", "", "```bash",
-              f"eagle-eval target.path={target} draft.path=PATH_TO_THIS_REPO", "```", "", "## Measured figures", ""]
-    if reports:
-        lines += ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
-                  "HF transformers generate (PyTorch eager) on the same machine (and plain autoregressive decoding "
-                  "with the same code); not against a serving engine.", ""]
-        if any(r.get("acceptance", "exact") != "exact" for r in reports):
-            lines += ["**Rows marked APPROXIMATE were decoded with an approximate acceptance rule (`decode.acceptance`): "
-                      "their output does not follow the target's distribution, so their tau and speedup are not "
-                      "lossless figures. Each such row gives the measured shift of the emitted law (TV, KL).**", ""]
-        lines += ["Acceptance by depth: the share of steps that reach depth d whose token at depth d is accepted. "
-                  "Greedy runs compare every output with HF `generate` in the same dtype; a divergence is numeric "
-                  "when the target's top-1 / top-2 logit margin there (recomputed in float32) is below the report's "
-                  "limit. One table per machine (the report's hardware); the line above a table gives the settings "
-                  "every row of it shares, the rows the settings that differ between them."]
-        lines += figures_tables(reports, sources)
-    else:
-        lines.append("No evaluation reports were attached (publish.reports); run `eagle-eval` and republish.")
-    lines += ["", "## Training", ""]
+    return lines
+
+
+def _card_figures(reports: list[dict[str, Any]], sources: list[str] | None) -> list[str]:
+    """What the figures mean, and one table per machine."""
+    if not reports:
+        return ["No evaluation reports were attached (publish.reports); run `eagle-eval` and republish."]
+    lines = ["tau = tokens emitted per target forward (accepted + bonus). Speedup = tokens/s ratio against "
+             "HF transformers generate (PyTorch eager) on the same machine (and plain autoregressive decoding "
+             "with the same code); not against a serving engine.", ""]
+    if any(r.get("acceptance", "exact") != "exact" for r in reports):
+        lines += ["**Rows marked APPROXIMATE were decoded with an approximate acceptance rule (`decode.acceptance`): "
+                  "their output does not follow the target's distribution, so their tau and speedup are not "
+                  "lossless figures. Each such row gives the measured shift of the emitted law (TV, KL).**", ""]
+    lines += ["Acceptance by depth: the share of steps that reach depth d whose token at depth d is accepted. "
+              "Greedy runs compare every output with HF `generate` in the same dtype; a divergence is numeric "
+              "when the target's top-1 / top-2 logit margin there (recomputed in float32) is below the report's "
+              "limit. One table per machine (the report's hardware); the line above a table gives the settings "
+              "every row of it shares, the rows the settings that differ between them."]
+    return lines + figures_tables(reports, sources)
+
+
+def _card_training(provenance: dict[str, Any], notes: str | None) -> list[str]:
+    """How the head was made: data, self-distillation, capture, training, the commands; notes."""
+    lines = ["", "## Training", ""]
     if provenance:
         lines.append(f"- data: {provenance.get('data_source')}"
                      + (f" ({provenance['data_path']})" if provenance.get("data_path") else "")
@@ -404,7 +420,7 @@ def model_card(head: ExportedHead, fmt: str, target: str, license: str, reports:
         lines.append("Training records (train_config.yaml) were not found next to the head.")
     if notes:
         lines += ["", "## Notes", "", notes.strip()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def run_publish(cfg: Any) -> Path:
