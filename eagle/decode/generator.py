@@ -107,6 +107,21 @@ def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
+@dataclass
+class _Decoding:
+    """One generation's state between steps: the caches, the root (the newest accepted token, not yet in the
+    target's cache), its position and the hidden state that drafts from it."""
+
+    res: GenerationResult
+    stop: StopChecker
+    tcache: Any
+    hcache: Any
+    root: int = 0
+    root_pos: int = 0
+    root_hidden: torch.Tensor | None = None
+    lookup: NgramLookup | None = None
+
+
 class SpeculativeGenerator:
     """EAGLE tree speculative decoding whose output follows the target's own (greedy or sampled) law, unless
     `decode.acceptance` names an approximate rule (then `GenerationResult.shift` measures the difference)."""
@@ -314,83 +329,94 @@ class SpeculativeGenerator:
         prompt = _as_ids(input_ids, self.device)
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
-        stop = StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens)
-        tcache, hcache = new_cache(self.target.config), self.head.new_draft_cache()
-        n = prompt.numel()
-        lookup = None
+        run = _Decoding(res, StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens),
+                        new_cache(self.target.config), self.head.new_draft_cache())
+        yield self._prefill(run, prompt)
+        while not run.stop.done:
+            emitted, acc, features = self._step(run)
+            yield emitted
+            if run.stop.done:
+                break
+            self._commit_accepted(run, acc, features)
+        res.stop_reason = run.stop.reason or "max_new_tokens"
+        res.timings.total_s = time.perf_counter() - t_start
 
+    def _prefill(self, run: _Decoding, prompt: torch.Tensor) -> list[int]:
+        """The prompt through the target (its first token, the first root) and the head (its context)."""
+        res, n = run.res, prompt.numel()
         t0 = time.perf_counter()
-        out = target_forward(self.target, prompt, torch.arange(n, device=self.device), tcache,
+        out = target_forward(self.target, prompt, torch.arange(n, device=self.device), run.tcache,
                              feature_layer_ids=self.feature_ids, windows=self.windows, last_logits_only=True)
-        root = self._choose(out.logits[-1])
+        run.root = self._choose(out.logits[-1])
         res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
-        emitted = stop.push([root])
+        emitted = run.stop.push([run.root])
         res.tokens += emitted
         if self.lookup_stats is not None:
-            lookup = NgramLookup(prompt.tolist() + [root], self.cfg.lookup_max_ngram, self.cfg.lookup_min_ngram)
-        yield emitted
-
+            run.lookup = NgramLookup(prompt.tolist() + [run.root], self.cfg.lookup_max_ngram, self.cfg.lookup_min_ngram)
         t0 = time.perf_counter()
-        root_hidden = self._commit(hcache, torch.cat([prompt[1:], torch.tensor([root], device=self.device)]),
-                                   out.features, torch.arange(n, device=self.device))
+        run.root_hidden = self._commit(run.hcache, torch.cat([prompt[1:], torch.tensor([run.root], device=self.device)]),
+                                       out.features, torch.arange(n, device=self.device))
         res.timings.draft_s += time.perf_counter() - t0
-        root_pos = n  # = target cache length: the root is not yet in it
+        run.root_pos = n  # = target cache length: the root is not yet in it
+        return emitted
 
-        while not stop.done:
-            t0 = time.perf_counter()
-            tree = self._draft(hcache, root, root_hidden, root_pos)
-            chain = lookup.propose(self.cfg.lookup_tokens) if lookup is not None else []
-            tree, grafted = self._graft(tree, chain)
-            t1 = time.perf_counter()
-            snapshot = RecurrentSnapshot.take(tcache) if self.recurrent else None
-            out = target_forward(self.target, tree.tokens, root_pos + tree.depths, tcache, tree.mask(),
-                                 feature_layer_ids=self.feature_ids, windows=self.windows)
-            t2 = time.perf_counter()
-            acc, shift = self._accept(tree, out.logits)
-            shift.positions = len(acc.tokens)  # every reached node emitted one token (exact: shift 0 there)
-            res.shift.add(shift)
-            if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
-                self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
-            if snapshot is not None and acc.nodes.numel() <= tree.size:
-                t2 += self._replay(tcache, snapshot, tree.tokens[acc.nodes], root_pos)
-                res.replays += 1
-            else:
-                keep_cache_entries(tcache, root_pos, acc.nodes)
-            emitted = stop.push(acc.tokens)
-            res.tokens += emitted
-            res.target_forwards += 1
-            res.accept_lengths.append(len(emitted))
-            res.accepted_depths.append(len(acc.tokens) - 1)
-            res.context_lengths.append(root_pos)
-            res.tree_sizes.append(tree.size)
-            accepted_drafts = len(acc.tokens) - 1
-            if lookup is not None:
-                first_grafted = tree.size + 1 - grafted  # grafted nodes are the last ones
-                on_graft = int((acc.nodes >= first_grafted).sum()) if grafted else 0
-                res.lookup_nodes.append(grafted)
-                res.lookup_accepted.append(on_graft)
-                self.lookup_stats.observe(chain, acc.tokens)
-                lookup.extend(acc.tokens)
-                accepted_drafts -= on_graft  # the head's calibration counts the head's nodes only
-            res.timings.draft_s += t1 - t0
-            res.timings.target_s += t2 - t1
-            self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
-            if self.cfg.tree == "auto":
-                self._auto.observe(accepted=accepted_drafts, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
-            yield emitted
-            if stop.done:
-                break
-            t0 = time.perf_counter()
-            new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
-            m = new.numel()
-            root_hidden = self._commit(hcache, new, out.features[acc.nodes],
-                                       torch.arange(root_pos, root_pos + m, device=self.device))
-            commit_s = time.perf_counter() - t0
-            res.timings.draft_s += commit_s
-            self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s
-            root, root_pos = acc.tokens[-1], root_pos + m
-        res.stop_reason = stop.reason or "max_new_tokens"
-        res.timings.total_s = time.perf_counter() - t_start
+    def _step(self, run: _Decoding) -> tuple[list[int], Any, torch.Tensor]:
+        """Draft, verify and accept once; keep the accepted path in the target's cache. Returns (emitted
+        tokens, the acceptance, the verify pass's features)."""
+        res, root_pos = run.res, run.root_pos
+        t0 = time.perf_counter()
+        tree = self._draft(run.hcache, run.root, run.root_hidden, root_pos)
+        chain = run.lookup.propose(self.cfg.lookup_tokens) if run.lookup is not None else []
+        tree, grafted = self._graft(tree, chain)
+        t1 = time.perf_counter()
+        snapshot = RecurrentSnapshot.take(run.tcache) if self.recurrent else None
+        out = target_forward(self.target, tree.tokens, root_pos + tree.depths, run.tcache, tree.mask(),
+                             feature_layer_ids=self.feature_ids, windows=self.windows)
+        t2 = time.perf_counter()
+        acc, shift = self._accept(tree, out.logits)
+        shift.positions = len(acc.tokens)  # every reached node emitted one token (exact: shift 0 there)
+        res.shift.add(shift)
+        if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
+            self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
+        if snapshot is not None and acc.nodes.numel() <= tree.size:
+            t2 += self._replay(run.tcache, snapshot, tree.tokens[acc.nodes], root_pos)
+            res.replays += 1
+        else:
+            keep_cache_entries(run.tcache, root_pos, acc.nodes)
+        emitted = run.stop.push(acc.tokens)
+        res.tokens += emitted
+        res.target_forwards += 1
+        res.accept_lengths.append(len(emitted))
+        res.accepted_depths.append(len(acc.tokens) - 1)
+        res.context_lengths.append(root_pos)
+        res.tree_sizes.append(tree.size)
+        accepted_drafts = len(acc.tokens) - 1
+        if run.lookup is not None:
+            first_grafted = tree.size + 1 - grafted  # grafted nodes are the last ones
+            on_graft = int((acc.nodes >= first_grafted).sum()) if grafted else 0
+            res.lookup_nodes.append(grafted)
+            res.lookup_accepted.append(on_graft)
+            self.lookup_stats.observe(chain, acc.tokens)
+            run.lookup.extend(acc.tokens)
+            accepted_drafts -= on_graft  # the head's calibration counts the head's nodes only
+        res.timings.draft_s += t1 - t0
+        res.timings.target_s += t2 - t1
+        self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
+        if self.cfg.tree == "auto":
+            self._auto.observe(accepted=accepted_drafts, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
+        return emitted, acc, out.features
+
+    def _commit_accepted(self, run: _Decoding, acc: Any, features: torch.Tensor) -> None:
+        """The head reads the accepted drafts and the bonus token (the next root) with their target features."""
+        t0 = time.perf_counter()
+        new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
+        m = new.numel()
+        run.root_hidden = self._commit(run.hcache, new, features[acc.nodes],
+                                       torch.arange(run.root_pos, run.root_pos + m, device=self.device))
+        commit_s = time.perf_counter() - t0
+        run.res.timings.draft_s += commit_s
+        self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s
+        run.root, run.root_pos = acc.tokens[-1], run.root_pos + m
 
     def generate(self, input_ids: list[int] | torch.Tensor) -> GenerationResult:
         """Decode until EOS, a stop string or max_new_tokens."""
