@@ -246,3 +246,14 @@ def test_no_private_name_is_imported_from_another_module():
                 if private:
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(private)}")
     assert offenders == []
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function of the package fits about one screen; a longer one is split into named phases."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
+                            f"({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
