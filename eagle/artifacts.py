@@ -118,8 +118,10 @@ def resolve_draft(path: str | Path | None) -> ResolvedDraft:
     if (p / BEST).is_dir():
         best = _head_folder(p / BEST)
         if best is None:
-            raise CheckpointError(f"draft.path={source!r}: {p / BEST} has no {HEAD_CONFIG}; the best head was not "
-                                  "fully written (re-run eagle-train to resume, or point draft.path at a checkpoint)")
+            raise CheckpointError(
+                f"draft.path={source!r}: {p / BEST} has no {HEAD_CONFIG}; the best head was not "
+                "fully written (re-run eagle-train to resume, or point draft.path at a checkpoint)"
+            )
         return ResolvedDraft(best, "head", source, "training_dir", p)
     if (p / EXPORT_CONFIG).is_file():  # checked first: an hf export also carries head_config.json
         return ResolvedDraft(p, "exported", source, "exported", training_dir_of(p))
@@ -133,10 +135,14 @@ def resolve_draft(path: str | Path | None) -> ResolvedDraft:
     # Any step-N folder, complete or not, tells that this is a training dir: name the newest.
     steps = [(s, c) for c in (p / CHECKPOINTS).glob("step-*") if c.is_dir() and (s := checkpoint_step(c)) is not None]
     if steps:
-        raise CheckpointError(f"draft.path={source!r} is a training output dir without a best/ head (training has not "
-                              f"evaluated yet); use a checkpoint explicitly, e.g. draft.path={max(steps)[1]}")
-    raise CheckpointError(f"draft.path={source!r} holds no draft head: expected best/ (training output dir), "
-                          f"{HEAD_CONFIG} (head or checkpoint dir) or {EXPORT_CONFIG} (exported folder)")
+        raise CheckpointError(
+            f"draft.path={source!r} is a training output dir without a best/ head (training has not "
+            f"evaluated yet); use a checkpoint explicitly, e.g. draft.path={max(steps)[1]}"
+        )
+    raise CheckpointError(
+        f"draft.path={source!r} holds no draft head: expected best/ (training output dir), "
+        f"{HEAD_CONFIG} (head or checkpoint dir) or {EXPORT_CONFIG} (exported folder)"
+    )
 
 
 def resolve_draft_path(path: str | Path | None) -> Path:

@@ -437,13 +437,16 @@ def _check_regenerate(r: RegenerateConfig) -> None:
     _choice("regenerate.reasoning", r.reasoning, ("keep", "drop", "off"))
     _positive("regenerate.max_prompt_tokens", r.max_prompt_tokens)
     _choice("regenerate.backend", r.backend, ("local", "server"))
-    _choice("regenerate.server_engine", r.server_engine,
-            ("auto", "vllm", "sglang", "llama.cpp", "transformers", "openai"))
+    _choice(
+        "regenerate.server_engine", r.server_engine, ("auto", "vllm", "sglang", "llama.cpp", "transformers", "openai")
+    )
     _positive("regenerate.requests_per_server", r.requests_per_server)
     _positive("regenerate.request_timeout", r.request_timeout)
     if r.backend == "server" and not r.servers:
-        raise ConfigError("regenerate.backend=server needs regenerate.servers=[http://HOST:PORT,...] "
-                          "(the base URLs of OpenAI-compatible servers)")
+        raise ConfigError(
+            "regenerate.backend=server needs regenerate.servers=[http://HOST:PORT,...] "
+            "(the base URLs of OpenAI-compatible servers)"
+        )
     for url in r.servers:
         scheme, _, rest = str(url).partition("://")
         if scheme not in ("http", "https") or not rest.split("/")[0]:
@@ -471,8 +474,10 @@ def _check_draft(draft: DraftConfig) -> None:
         raise ConfigError(f"draft.block_size={draft.block_size} must be >= 2 (the anchor and at least one draft)")
     _positive("draft.num_layers", draft.num_layers)
     if draft.parallel_tokens < 2:
-        raise ConfigError(f"draft.parallel_tokens={draft.parallel_tokens} must be >= 2 (the root's own draft "
-                          "and at least one parallel slot)")
+        raise ConfigError(
+            f"draft.parallel_tokens={draft.parallel_tokens} must be >= 2 (the root's own draft "
+            "and at least one parallel slot)"
+        )
     if draft.mask_token_id is not None and draft.mask_token_id < 0:
         raise ConfigError(f"draft.mask_token_id={draft.mask_token_id} must be a token id >= 0 (or null)")
 
@@ -485,8 +490,19 @@ def _check_train(t: TrainConfig) -> None:
     _choice("train.mixed_precision", t.mixed_precision, ("auto", "no", "bf16", "fp16"))
     _choice("train.resume", str(t.resume).lower(), ("auto", "true", "false"))
     _choice("train.nonfinite", t.nonfinite, ("skip", "stop"))
-    for name in ("max_steps", "batch_size", "grad_accum", "max_length", "lr", "ttt_steps", "eval_every",
-                 "save_every", "log_every", "keep_checkpoints", "eval_batches"):
+    for name in (
+        "max_steps",
+        "batch_size",
+        "grad_accum",
+        "max_length",
+        "lr",
+        "ttt_steps",
+        "eval_every",
+        "save_every",
+        "log_every",
+        "keep_checkpoints",
+        "eval_batches",
+    ):
         _positive(f"train.{name}", getattr(t, name))
     for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_loss_weight", "token_loss_weight"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
@@ -494,8 +510,10 @@ def _check_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.max_minutes={t.max_minutes} must be > 0 (or null for no limit)")
     _choice("train.schedule_over", t.schedule_over, ("steps", "minutes"))
     if t.schedule_over == "minutes" and t.max_minutes is None:
-        raise ConfigError("train.schedule_over=minutes decays the lr over train.max_minutes: set train.max_minutes "
-                          "(or schedule_over=steps)")
+        raise ConfigError(
+            "train.schedule_over=minutes decays the lr over train.max_minutes: set train.max_minutes "
+            "(or schedule_over=steps)"
+        )
     _choice("train.loss", t.loss, LOSSES)
     _choice("train.position_weights", t.position_weights, POSITION_WEIGHTS)
     _positive("train.position_gamma", t.position_gamma)
@@ -506,8 +524,10 @@ def _check_train(t: TrainConfig) -> None:
     if not 0.0 < t.ttt_decay <= 1.0:
         raise ConfigError(f"train.ttt_decay={t.ttt_decay} must be in (0, 1]")
     if t.init_layer_from_target is not None and t.init_from:
-        raise ConfigError(f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
-                          f"train.init_from={t.init_from!r} a trained one: set one of them")
+        raise ConfigError(
+            f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
+            f"train.init_from={t.init_from!r} a trained one: set one of them"
+        )
 
 
 def _check_decode(cfg: RootConfig) -> None:
@@ -516,24 +536,36 @@ def _check_decode(cfg: RootConfig) -> None:
     _choice("decode.tree", d.tree, ("auto", "dynamic", "static"))
     _choice("decode.draft_dtype", d.draft_dtype, ("auto", "target", "float32", "bfloat16", "float16"))
     _choice("decode.draft_weights", d.draft_weights, ("auto", "full", "int8", "int8_weight_only"))
-    for name in ("tree_top_k", "tree_depth", "tree_total_tokens", "max_new_tokens", "lookup_max_ngram",
-                 "lookup_min_ngram"):
+    for name in (
+        "tree_top_k",
+        "tree_depth",
+        "tree_total_tokens",
+        "max_new_tokens",
+        "lookup_max_ngram",
+        "lookup_min_ngram",
+    ):
         _positive(f"decode.{name}", getattr(d, name))
     _positive("decode.lookup_tokens", d.lookup_tokens, allow_zero=True)
     if d.lookup_min_ngram > d.lookup_max_ngram:
-        raise ConfigError(f"decode.lookup_min_ngram={d.lookup_min_ngram} is above decode.lookup_max_ngram="
-                          f"{d.lookup_max_ngram}; the lookup tries suffixes from the longest down to the shortest")
+        raise ConfigError(
+            f"decode.lookup_min_ngram={d.lookup_min_ngram} is above decode.lookup_max_ngram="
+            f"{d.lookup_max_ngram}; the lookup tries suffixes from the longest down to the shortest"
+        )
     _positive("decode.temperature", d.temperature, allow_zero=True)
     _positive("decode.top_k", d.top_k, allow_zero=True)
     if not 0.0 < d.top_p <= 1.0:
         raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1]")
     _choice("decode.draft_choice", d.draft_choice, ("auto", "topk", "sample"))
     if d.draft_choice == "sample" and d.temperature <= 0:
-        raise ConfigError("decode.draft_choice=sample needs decode.temperature > 0 (at temperature 0 a sampled "
-                          "draft is the top-1 draft): use draft_choice=auto or topk")
+        raise ConfigError(
+            "decode.draft_choice=sample needs decode.temperature > 0 (at temperature 0 a sampled "
+            "draft is the top-1 draft): use draft_choice=auto or topk"
+        )
     if d.draft_choice == "sample" and d.tree == "static":
-        raise ConfigError("decode.draft_choice=sample drafts a chain, decode.tree=static a fixed tree of "
-                          "top-k ranks: use tree=auto or dynamic with sample, or draft_choice=topk")
+        raise ConfigError(
+            "decode.draft_choice=sample drafts a chain, decode.tree=static a fixed tree of "
+            "top-k ranks: use tree=auto or dynamic with sample, or draft_choice=topk"
+        )
     if d.tree == "static" and not d.static_paths:
         raise ConfigError("decode.tree=static needs decode.static_paths (a list of paths of child ranks)")
     _choice("decode.acceptance", d.acceptance, ACCEPTANCE_RULES)
@@ -546,13 +578,17 @@ def _check_decode(cfg: RootConfig) -> None:
         raise ConfigError(f"decode.lenient_margin={d.lenient_margin} must be a finite number of logits >= 0")
     if d.acceptance != "exact":
         if d.draft_choice == "sample":
-            raise ConfigError(f"decode.acceptance={d.acceptance} acts on top-k draft trees; decode.draft_choice=sample "
-                              "drafts chains accepted by speculative sampling: use draft_choice=auto or topk")
+            raise ConfigError(
+                f"decode.acceptance={d.acceptance} acts on top-k draft trees; decode.draft_choice=sample "
+                "drafts chains accepted by speculative sampling: use draft_choice=auto or topk"
+            )
         if cfg.eval.divergence_check:
-            raise ConfigError(f"eval.divergence_check=true checks that greedy output equals HF generate's up to "
-                              f"numerics, which decode.acceptance={d.acceptance} (approximate, not lossless) does not "
-                              "promise: drop eval.divergence_check (the match fraction is reported) or use "
-                              "decode.acceptance=exact")
+            raise ConfigError(
+                f"eval.divergence_check=true checks that greedy output equals HF generate's up to "
+                f"numerics, which decode.acceptance={d.acceptance} (approximate, not lossless) does not "
+                "promise: drop eval.divergence_check (the match fraction is reported) or use "
+                "decode.acceptance=exact"
+            )
 
 
 def _check_eval_export(cfg: RootConfig) -> None:

@@ -76,7 +76,7 @@ def swept_keys(overrides: Sequence[str], params: dict[str, Any] | None = None) -
             continue
         if parsed.is_sweep_override() and parsed.key_or_group not in keys:
             keys.append(parsed.key_or_group)
-    for key in (params or {}):
+    for key in params or {}:
         if str(key) not in keys:
             keys.append(str(key))
     return keys
@@ -142,9 +142,14 @@ def current_job() -> Job | None:
     if hc.mode != RunMode.MULTIRUN:
         return None
     sweep_dir = str(hc.sweep.dir)
-    return Job(num=int(hc.job.num), overrides=[str(o) for o in hc.overrides.task], sweep_dir=Path(sweep_dir),
-               output_dir=os.path.join(sweep_dir, str(hc.sweep.subdir)), sweep_id=os.environ.get(ENV_ID),
-               keys=_env_keys())
+    return Job(
+        num=int(hc.job.num),
+        overrides=[str(o) for o in hc.overrides.task],
+        sweep_dir=Path(sweep_dir),
+        output_dir=os.path.join(sweep_dir, str(hc.sweep.subdir)),
+        sweep_id=os.environ.get(ENV_ID),
+        keys=_env_keys(),
+    )
 
 
 # --------------------------------------------------------------------------------------- figures
@@ -190,8 +195,14 @@ def job_figures(stage: str, result: Any, output_dir: str | Path) -> dict[str, An
             "curve": [[int(r["step"]), _num(r.get("tau_sim"))] for r in rows if _num(r.get("tau_sim")) is not None],
         }
     if stage == "eval" and isinstance(result, dict):
-        keys = ("tau", "speedup", "speedup_vs_prompt_lookup", "speedup_vs_autoregressive", "tokens_per_s",
-                "greedy_match")
+        keys = (
+            "tau",
+            "speedup",
+            "speedup_vs_prompt_lookup",
+            "speedup_vs_autoregressive",
+            "tokens_per_s",
+            "greedy_match",
+        )
         # decode.acceptance: an approximate job's row says so (its tau is not a lossless figure).
         return {**{k: _num(result.get(k)) for k in keys}, "acceptance": str(result.get("acceptance", "exact"))}
     return {}
@@ -210,8 +221,9 @@ def objective(stage: str, result: Any) -> float | None:
     return None
 
 
-def write_job_record(job: Job, stage: str, status: str, wall_s: float, figures: dict[str, Any] | None = None,
-                     error: str | None = None) -> Path:
+def write_job_record(
+    job: Job, stage: str, status: str, wall_s: float, figures: dict[str, Any] | None = None, error: str | None = None
+) -> Path:
     record = {
         "sweep_id": job.sweep_id,
         "num": job.num,
@@ -275,21 +287,37 @@ def build_summary(records: list[dict[str, Any]], keys: Sequence[str] = ()) -> di
     all_keys = [k for m in maps for k in m]
     varying = list(dict.fromkeys([*keys, *(k for k in all_keys if len({m.get(k) for m in maps}) > 1)]))
     varying = [k for k in varying if any(k in m for m in maps)]
-    common = {k: v for k, v in (maps[0].items() if maps else []) if k not in varying and all(m.get(k) == v for m in maps)}
+    common = {
+        k: v for k, v in (maps[0].items() if maps else []) if k not in varying and all(m.get(k) == v for m in maps)
+    }
     stage = records[0].get("stage") if records else None
     rows = []
     for rec, m in zip(records, maps, strict=True):
-        rows.append({
-            "num": rec.get("num"), "dir": rec.get("dir"), "status": rec.get("status"), "error": rec.get("error"),
-            "overrides": {k: m.get(k) for k in varying}, "wall_s": rec.get("wall_s"), **rec.get("figures", {}),
-        })
+        rows.append(
+            {
+                "num": rec.get("num"),
+                "dir": rec.get("dir"),
+                "status": rec.get("status"),
+                "error": rec.get("error"),
+                "overrides": {k: m.get(k) for k in varying},
+                "wall_s": rec.get("wall_s"),
+                **rec.get("figures", {}),
+            }
+        )
     key = {"train": "tau_sim", "eval": "tau"}.get(str(stage))
     scored = [r for r in rows if key and r.get("status") == "ok" and r.get(key) is not None]
     best = max(scored, key=lambda r: r[key]) if scored else None
-    return {"stage": stage, "jobs": len(rows), "ok": sum(r["status"] == "ok" for r in rows),
-            "failed": sum(r["status"] == "failed" for r in rows), "swept_keys": varying, "common_overrides": common,
-            "objective": key, "best": None if best is None else {"num": best["num"], "dir": best["dir"], key: best[key]},
-            "rows": rows}
+    return {
+        "stage": stage,
+        "jobs": len(rows),
+        "ok": sum(r["status"] == "ok" for r in rows),
+        "failed": sum(r["status"] == "failed" for r in rows),
+        "swept_keys": varying,
+        "common_overrides": common,
+        "objective": key,
+        "best": None if best is None else {"num": best["num"], "dir": best["dir"], key: best[key]},
+        "rows": rows,
+    }
 
 
 def _row_overrides(row: dict[str, Any]) -> str:
@@ -298,38 +326,25 @@ def _row_overrides(row: dict[str, Any]) -> str:
 
 def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     stage, rows = summary["stage"], summary["rows"]
-    lines = [f"# Sweep summary: eagle-{stage}, {summary['jobs']} jobs ({summary['ok']} ok, {summary['failed']} failed)",
-             "", f"Sweep root: `{sweep_dir}`"]
+    lines = [
+        f"# Sweep summary: eagle-{stage}, {summary['jobs']} jobs ({summary['ok']} ok, {summary['failed']} failed)",
+        "",
+        f"Sweep root: `{sweep_dir}`",
+    ]
     if summary["common_overrides"]:
         lines.append("Common overrides: " + " ".join(f"`{k}={v}`" for k, v in summary["common_overrides"].items()))
     lines.append("")
-    if stage == "train":
-        k = max((len(r.get("acc") or []) for r in rows), default=0)
-        head = ["job", "overrides", "status", "steps", *[f"acc@{i}" for i in range(k)], "tau_sim", "best step",
-                "untrained tau_sim", "wall"]
-        body = []
-        for r in rows:
-            accs = r.get("acc") or []
-            body.append([*_cells(r), str(r.get("step", "n/a")), *[_fmt(accs[i] if i < len(accs) else None) for i in range(k)],
-                         _fmt(r.get("tau_sim")), str(r.get("best_step", "n/a")), _fmt(r.get("untrained_tau_sim")),
-                         _wall(r.get("wall_s"))])
-    elif stage == "eval":
-        head = ["job", "overrides", "status", "tau", "speedup", "vs prompt lookup", "vs autoregressive", "tok/s",
-                "greedy match", "wall"]
-        body = [[*_cells(r), _fmt(r.get("tau"), 2) + _approximate(r), _fmt(r.get("speedup"), 2) + _approximate(r),
-                 _fmt(r.get("speedup_vs_prompt_lookup"), 2),
-                 _fmt(r.get("speedup_vs_autoregressive"), 2), _fmt(r.get("tokens_per_s"), 1),
-                 _fmt(r.get("greedy_match"), 2), _wall(r.get("wall_s"))] for r in rows]
-    else:
-        head = ["job", "overrides", "status", "wall"]
-        body = [[*_cells(r), _wall(r.get("wall_s"))] for r in rows]
+    head, body = _TABLES.get(stage, _plain_table)(rows)
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     best = summary["best"]
     if best is not None:
         best_row = next((r for r in rows if r["num"] == best["num"]), {})
-        lines += ["", f"Best {summary['objective']}: job {best['num']} (`{best['dir']}`), {best[summary['objective']]:.3f}"
-                  f"{_approximate(best_row)}."]
+        lines += [
+            "",
+            f"Best {summary['objective']}: job {best['num']} (`{best['dir']}`), {best[summary['objective']]:.3f}"
+            f"{_approximate(best_row)}.",
+        ]
     failed = [r for r in rows if r["status"] == "failed"]
     if failed:
         lines += ["", "Failed jobs:"]
@@ -339,6 +354,75 @@ def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     if (Path(sweep_dir) / PLOT).is_file() and stage == "train":
         lines += ["", f"![held-out tau_sim per job]({PLOT})"]
     return "\n".join(lines) + "\n"
+
+
+Table = tuple[list[str], list[list[str]]]
+
+
+def _train_table(rows: list[dict[str, Any]]) -> Table:
+    k = max((len(r.get("acc") or []) for r in rows), default=0)
+    head = [
+        "job",
+        "overrides",
+        "status",
+        "steps",
+        *[f"acc@{i}" for i in range(k)],
+        "tau_sim",
+        "best step",
+        "untrained tau_sim",
+        "wall",
+    ]
+    body = []
+    for r in rows:
+        accs = r.get("acc") or []
+        body.append(
+            [
+                *_cells(r),
+                str(r.get("step", "n/a")),
+                *[_fmt(accs[i] if i < len(accs) else None) for i in range(k)],
+                _fmt(r.get("tau_sim")),
+                str(r.get("best_step", "n/a")),
+                _fmt(r.get("untrained_tau_sim")),
+                _wall(r.get("wall_s")),
+            ]
+        )
+    return head, body
+
+
+def _eval_table(rows: list[dict[str, Any]]) -> Table:
+    head = [
+        "job",
+        "overrides",
+        "status",
+        "tau",
+        "speedup",
+        "vs prompt lookup",
+        "vs autoregressive",
+        "tok/s",
+        "greedy match",
+        "wall",
+    ]
+    body = [
+        [
+            *_cells(r),
+            _fmt(r.get("tau"), 2) + _approximate(r),
+            _fmt(r.get("speedup"), 2) + _approximate(r),
+            _fmt(r.get("speedup_vs_prompt_lookup"), 2),
+            _fmt(r.get("speedup_vs_autoregressive"), 2),
+            _fmt(r.get("tokens_per_s"), 1),
+            _fmt(r.get("greedy_match"), 2),
+            _wall(r.get("wall_s")),
+        ]
+        for r in rows
+    ]
+    return head, body
+
+
+def _plain_table(rows: list[dict[str, Any]]) -> Table:
+    return ["job", "overrides", "status", "wall"], [[*_cells(r), _wall(r.get("wall_s"))] for r in rows]
+
+
+_TABLES = {"train": _train_table, "eval": _eval_table}  # the stage's own columns; other stages: status and wall
 
 
 def _approximate(row: dict[str, Any]) -> str:
@@ -372,8 +456,9 @@ def plot_curves(summary: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def write_summary(sweep_dir: str | Path, sweep_id: str | None = None, keys: Sequence[str] = (),
-                  plot: bool = True) -> dict[str, Any] | None:
+def write_summary(
+    sweep_dir: str | Path, sweep_id: str | None = None, keys: Sequence[str] = (), plot: bool = True
+) -> dict[str, Any] | None:
     """Write `sweep_summary.md` / `.json` (+ the tau_sim plot) for the job records under `sweep_dir`."""
     root = Path(sweep_dir)
     records = collect_records(root, sweep_id)
@@ -408,12 +493,25 @@ class SweepCallback(Callback):
         print(summary_markdown(summary, sweep_dir), end="")
         print(f"eagle-sweep: summary in {Path(sweep_dir) / (SUMMARY + '.md')} and {SUMMARY}.json")
         if summary["failed"]:
-            print(f"eagle-sweep: error: {summary['failed']} of {summary['jobs']} jobs failed (named above)",
-                  file=sys.stderr)
+            print(
+                f"eagle-sweep: error: {summary['failed']} of {summary['jobs']} jobs failed (named above)",
+                file=sys.stderr,
+            )
             sys.exit(2)
 
 
 __all__ = [
-    "Job", "SweepCallback", "build_summary", "collect_records", "current_job", "job_dir_name", "job_figures",
-    "objective", "register_resolvers", "summary_markdown", "swept_keys", "write_job_record", "write_summary",
+    "Job",
+    "SweepCallback",
+    "build_summary",
+    "collect_records",
+    "current_job",
+    "job_dir_name",
+    "job_figures",
+    "objective",
+    "register_resolvers",
+    "summary_markdown",
+    "swept_keys",
+    "write_job_record",
+    "write_summary",
 ]

@@ -105,13 +105,18 @@ class Tracker:
         """Record `metrics` at `step` as `<prefix>/<name>` (console line, jsonl, wandb)."""
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()
+        }
         rec = {"step": int(step), "split": prefix, **clean}
         with open(self.jsonl, "a") as f:
             # NaN/inf are written as strings so the file stays valid JSON.
-            f.write(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in rec.items()}) + "\n")
+            f.write(
+                json.dumps(
+                    {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+                )
+                + "\n"
+            )
         if self._wandb is not None:
             self._wandb.log({f"{prefix}/{k}": v for k, v in clean.items()}, step=int(step))
         if echo:

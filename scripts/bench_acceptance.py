@@ -62,18 +62,40 @@ def _rows_for(report: dict, prompt_set: str, temperature: float, out: Path) -> t
     shift, hf = report["distribution_shift"], report["methods"].get("hf_generate", {})
     code = prompt_set == "humaneval"
     rule = {
-        "rule": report["acceptance"], "thresholds": _thresholds(report["acceptance_settings"]),
-        "lossless": report["lossless"], "temperature": temperature, "prompt_set": prompt_set,
-        "prompts": report["num_prompts"], "tau": report["tau"], "tokens_per_s": report["tokens_per_s"],
-        "speedup_vs_hf": report["speedup"], "tv": shift["tv"], "kl": shift["kl"], "kl_infinite": shift["kl_infinite"],
-        "positions": shift["positions"], "greedy_match": report["greedy_match"],
-        "pass_at_1": _pass_at_1(report["per_prompt"], "answer") if code else None, "report": str(out),
+        "rule": report["acceptance"],
+        "thresholds": _thresholds(report["acceptance_settings"]),
+        "lossless": report["lossless"],
+        "temperature": temperature,
+        "prompt_set": prompt_set,
+        "prompts": report["num_prompts"],
+        "tau": report["tau"],
+        "tokens_per_s": report["tokens_per_s"],
+        "speedup_vs_hf": report["speedup"],
+        "tv": shift["tv"],
+        "kl": shift["kl"],
+        "kl_infinite": shift["kl_infinite"],
+        "positions": shift["positions"],
+        "greedy_match": report["greedy_match"],
+        "pass_at_1": _pass_at_1(report["per_prompt"], "answer") if code else None,
+        "report": str(out),
     }
     target = {
-        "rule": HF, "thresholds": "-", "lossless": True, "temperature": temperature, "prompt_set": prompt_set,
-        "prompts": report["num_prompts"], "tau": None, "tokens_per_s": hf.get("tokens_per_s"), "speedup_vs_hf": 1.0,
-        "tv": 0.0, "kl": 0.0, "kl_infinite": 0, "positions": 0, "greedy_match": None,
-        "pass_at_1": _pass_at_1(report["per_prompt"], "hf_generate_answer") if code else None, "report": str(out),
+        "rule": HF,
+        "thresholds": "-",
+        "lossless": True,
+        "temperature": temperature,
+        "prompt_set": prompt_set,
+        "prompts": report["num_prompts"],
+        "tau": None,
+        "tokens_per_s": hf.get("tokens_per_s"),
+        "speedup_vs_hf": 1.0,
+        "tv": 0.0,
+        "kl": 0.0,
+        "kl_infinite": 0,
+        "positions": 0,
+        "greedy_match": None,
+        "pass_at_1": _pass_at_1(report["per_prompt"], "hf_generate_answer") if code else None,
+        "report": str(out),
     }
     return rule, target
 
@@ -88,8 +110,10 @@ def _load(path: Path | None, settings: dict) -> dict[str, dict]:
         return {}
     data = json.loads(path.read_text())
     if data.get("settings") != settings:
-        raise SystemExit(f"bench_acceptance: {path} holds rows measured with other settings ({data.get('settings')}); "
-                         "give another --json file or delete it")
+        raise SystemExit(
+            f"bench_acceptance: {path} holds rows measured with other settings ({data.get('settings')}); "
+            "give another --json file or delete it"
+        )
     return {_key(r): r for r in data.get("rows", [])}
 
 
@@ -103,19 +127,25 @@ def _save(path: Path | None, settings: dict, rows: dict[str, dict]) -> None:
 def table(rows: list[dict]) -> str:
     """The one table: every rule against exact and against HF generate, per prompt set and temperature."""
     exact = {(r["prompt_set"], r["temperature"]): r["tokens_per_s"] for r in rows if r["rule"] == "exact"}
-    head = (f"{'rule':<12}{'thresholds':<22}{'T':>5}  {'prompt set':<11}{'tau':>6}{'tok/s':>8}{'vs exact':>10}"
-            f"{'vs HF':>8}{'TV':>8}{'KL':>8}{'pass@1':>8}")
+    head = (
+        f"{'rule':<12}{'thresholds':<22}{'T':>5}  {'prompt set':<11}{'tau':>6}{'tok/s':>8}{'vs exact':>10}"
+        f"{'vs HF':>8}{'TV':>8}{'KL':>8}{'pass@1':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         base = exact.get((r["prompt_set"], r["temperature"]))
         vs_exact = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
         kl = "inf" if r["kl"] is None else _f(r["kl"], ".4f")
         rule = r["rule"] if r["lossless"] else f"{r['rule']}*"
-        lines.append(f"{rule:<12}{r['thresholds']:<22}{r['temperature']:>5.1f}  {r['prompt_set']:<11}{_f(r['tau']):>6}"
-                     f"{_f(r['tokens_per_s'], '.1f'):>8}{_f(vs_exact):>10}{_f(r['speedup_vs_hf']):>8}"
-                     f"{_f(r['tv'], '.4f'):>8}{kl:>8}{_f(r['pass_at_1'], '.3f'):>8}")
-    lines.append("* APPROXIMATE acceptance: not lossless (TV / KL: shift of the emitted law from the target's, mean "
-                 "over verified positions). Speedups: tokens/s ratios; HF = HF transformers generate (PyTorch eager).")
+        lines.append(
+            f"{rule:<12}{r['thresholds']:<22}{r['temperature']:>5.1f}  {r['prompt_set']:<11}{_f(r['tau']):>6}"
+            f"{_f(r['tokens_per_s'], '.1f'):>8}{_f(vs_exact):>10}{_f(r['speedup_vs_hf']):>8}"
+            f"{_f(r['tv'], '.4f'):>8}{kl:>8}{_f(r['pass_at_1'], '.3f'):>8}"
+        )
+    lines.append(
+        "* APPROXIMATE acceptance: not lossless (TV / KL: shift of the emitted law from the target's, mean "
+        "over verified positions). Speedups: tokens/s ratios; HF = HF transformers generate (PyTorch eager)."
+    )
     return "\n".join(lines)
 
 
@@ -123,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("head", nargs="?", default=None, help=f"draft head (default: {DEFAULT_HEAD})")
     parser.add_argument("overrides", nargs="*", help="eagle config overrides for every run, e.g. target.dtype=float32")
-    parser.add_argument("--prompts", type=int, default=10, help="first N prompts of each set (MT-bench 80, HumanEval 164)")
+    parser.add_argument(
+        "--prompts", type=int, default=10, help="first N prompts of each set (MT-bench 80, HumanEval 164)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every method (default: torch's)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts per run (not measured)")
@@ -140,8 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no draft head at {head}: pass a head folder or a training output dir")
     if args.prompts < 1:
         parser.error("--prompts must be >= 1")
-    settings = {"head": str(head), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                "threads": args.threads, "overrides": list(args.overrides)}
+    settings = {
+        "head": str(head),
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "overrides": list(args.overrides),
+    }
     done = _load(args.json, settings)
     rows: dict[str, dict] = dict(done)
     for prompt_set in args.sets:
@@ -150,11 +187,21 @@ def main(argv: list[str] | None = None) -> int:
                 if f"{prompt_set}|T={temperature}|{rule}" in rows:
                     continue
                 out = args.output_dir / f"{prompt_set}-T{temperature:g}-{rule}"
-                overrides = ["recipe=smollm2-135m-instruct", f"draft.path={head}", f"eval.prompts={prompt_set}",
-                             f"eval.max_prompts={args.prompts}", "eval.turns=first", f"eval.warmup_prompts={args.warmup}",
-                             "eval.baselines=[hf_generate]", f"decode.max_new_tokens={args.max_new_tokens}",
-                             f"decode.temperature={temperature}", f"decode.acceptance={rule}", f"output_dir={out}",
-                             *([f"eval.num_threads={args.threads}"] if args.threads else []), *args.overrides]
+                overrides = [
+                    "recipe=smollm2-135m-instruct",
+                    f"draft.path={head}",
+                    f"eval.prompts={prompt_set}",
+                    f"eval.max_prompts={args.prompts}",
+                    "eval.turns=first",
+                    f"eval.warmup_prompts={args.warmup}",
+                    "eval.baselines=[hf_generate]",
+                    f"decode.max_new_tokens={args.max_new_tokens}",
+                    f"decode.temperature={temperature}",
+                    f"decode.acceptance={rule}",
+                    f"output_dir={out}",
+                    *([f"eval.num_threads={args.threads}"] if args.threads else []),
+                    *args.overrides,
+                ]
                 try:
                     report = evaluate(compose(overrides))
                 except EagleError as e:
@@ -164,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows[_key(row)] = row
                 rows.setdefault(_key(target), target)  # the target alone: from the first rule measured
                 _save(args.json, settings, rows)
-                print(f"{_key(row)}: tau {_f(row['tau'])}, {_f(row['tokens_per_s'], '.1f')} tok/s, "
-                      f"{_f(row['speedup_vs_hf'])}x HF generate, TV {_f(row['tv'], '.4f')}", flush=True)
+                print(
+                    f"{_key(row)}: tau {_f(row['tau'])}, {_f(row['tokens_per_s'], '.1f')} tok/s, "
+                    f"{_f(row['speedup_vs_hf'])}x HF generate, TV {_f(row['tv'], '.4f')}",
+                    flush=True,
+                )
     order = {r: i for i, r in enumerate((*RULES, HF))}
     ordered = sorted(rows.values(), key=lambda r: (r["prompt_set"], r["temperature"], order[r["rule"]]))
     print()

@@ -60,9 +60,17 @@ def main(argv: list[str] | None = None) -> None:
 
     def capture() -> int:
         with tempfile.TemporaryDirectory() as tmp:
-            m = capture_splits(FeatureSource.in_process(model, info), convs, Path(tmp), cfg.capture, cfg.draft.algorithm, aux,
-                               {"fingerprint": data_fingerprint(cfg.data, splits), "config": {}},
-                               progress=False, log=lambda s: None)
+            m = capture_splits(
+                FeatureSource.in_process(model, info),
+                convs,
+                Path(tmp),
+                cfg.capture,
+                cfg.draft.algorithm,
+                aux,
+                {"fingerprint": data_fingerprint(cfg.data, splits), "config": {}},
+                progress=False,
+                log=lambda s: None,
+            )
             return m["totals"]["bytes"]
 
     bare(limit=1)  # warm-up (allocator, kernels) on the largest batch
@@ -77,14 +85,18 @@ def main(argv: list[str] | None = None) -> None:
 
     itemsize = torch.empty((), dtype=getattr(torch, cfg.capture.dtype)).element_size()
     rows = feature_rows(cfg.draft.algorithm)
-    print(f"target {info.source} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}), "
-          f"algorithm {cfg.draft.algorithm}, {sum(map(len, convs.values()))} conversations, {tokens} tokens, "
-          f"{len(batches)} batches, torch threads {torch.get_num_threads()}")
+    print(
+        f"target {info.source} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}), "
+        f"algorithm {cfg.draft.algorithm}, {sum(map(len, convs.values()))} conversations, {tokens} tokens, "
+        f"{len(batches)} batches, torch threads {torch.get_num_threads()}"
+    )
     print(f"bare forward : {tokens / t_bare:10.1f} tokens/s ({t_bare:.2f} s)")
     print(f"capture      : {tokens / t_cap:10.1f} tokens/s ({t_cap:.2f} s)  ratio capture/bare = {t_bare / t_cap:.3f}")
-    print(f"bytes/token  : {nbytes / tokens:.1f} on disk vs {rows} layers x {info.hidden_size} hidden x {itemsize} B "
-          f"= {rows * info.hidden_size * itemsize} (+5 ids/mask; estimate "
-          f"{estimate_bytes(tokens, cfg.draft.algorithm, info.hidden_size, cfg.capture.dtype) / tokens:.1f})")
+    print(
+        f"bytes/token  : {nbytes / tokens:.1f} on disk vs {rows} layers x {info.hidden_size} hidden x {itemsize} B "
+        f"= {rows * info.hidden_size * itemsize} (+5 ids/mask; estimate "
+        f"{estimate_bytes(tokens, cfg.draft.algorithm, info.hidden_size, cfg.capture.dtype) / tokens:.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -74,10 +74,15 @@ def recast(source: Path, dtype: str) -> tuple[Path, dict[str, dict[str, float]]]
         offsets = tensors["offsets"].tolist()
         cuts = list(zip(offsets[:-1], offsets[1:], strict=True))
         shards[(entry["split"], entry["index"])] = write_shard(
-            out, entry["split"], entry["index"], meta["ids"],
+            out,
+            entry["split"],
+            entry["index"],
+            meta["ids"],
             [tensors["input_ids"][a:b].tolist() for a, b in cuts],
             [tensors["loss_mask"][a:b].tolist() for a, b in cuts],
-            {name: [tensors[name]] for name in FEATURES if name in tensors}, dtype)
+            {name: [tensors[name]] for name in FEATURES if name in tensors},
+            dtype,
+        )
     if not done:
         header = {k: v for k, v in manifest.items() if k not in ("shards", "totals", "complete")}
         atomic_write_text(out / MANIFEST, json.dumps(assemble_manifest({**header, "dtype": dtype}, shards), indent=2))
@@ -86,11 +91,26 @@ def recast(source: Path, dtype: str) -> tuple[Path, dict[str, dict[str, float]]]
 
 def run(capture: Path, steps: int, seed: int, base: list[str], work: Path) -> dict:
     t0 = time.perf_counter()
-    result = train(compose(base + [f"train.data_dir={capture}", f"train.max_steps={steps}", f"train.seed={seed}",
-                                   f"output_dir={work / f'{capture.name}-seed{seed}'}", "train.eval_every=1000000",
-                                   "train.save_every=100", "train.resume=auto"]))
-    return {"steps": result.step, "wall_s": time.perf_counter() - t0, "heldout": result.eval_metrics,
-            "tokens_per_s": result.train_metrics.get("tokens_per_s")}
+    result = train(
+        compose(
+            base
+            + [
+                f"train.data_dir={capture}",
+                f"train.max_steps={steps}",
+                f"train.seed={seed}",
+                f"output_dir={work / f'{capture.name}-seed{seed}'}",
+                "train.eval_every=1000000",
+                "train.save_every=100",
+                "train.resume=auto",
+            ]
+        )
+    )
+    return {
+        "steps": result.step,
+        "wall_s": time.perf_counter() - t0,
+        "heldout": result.eval_metrics,
+        "tokens_per_s": result.train_metrics.get("tokens_per_s"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in report["runs"]:
         m, e = r["heldout"] or {}, report["rounding"].get(r["dtype"], {})
         rel = " / ".join(f"{e[f]['max_rel_error']:.1e}" for f in FEATURES if f in e)
-        print(f"{r['dtype']:<10} {r['seed']:4d}  {rel:>30}  {sum(v['overflows'] for v in e.values()):9d}  "
-              f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
-              f"  {m.get('tau_sim', float('nan')):7.3f}")
+        print(
+            f"{r['dtype']:<10} {r['seed']:4d}  {rel:>30}  {sum(v['overflows'] for v in e.values()):9d}  "
+            f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
+            f"  {m.get('tau_sim', float('nan')):7.3f}"
+        )
     return 0
 
 

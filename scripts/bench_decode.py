@@ -70,17 +70,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", choices=("auto", "dynamic", "static"), default="auto")
     parser.add_argument("--tree-sweep", type=int, nargs="*", default=[], help="tree sizes for speedup_vs_tree.png")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up prompts (not measured)")
-    parser.add_argument("--dtypes", nargs="*", default=None,
-                        help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto")
-    parser.add_argument("--draft-weights", nargs="*", default=None,
-                        help="measure each head setting in turn (auto | full | int8 | int8_weight_only), for every dtype; default: the config's")
-    parser.add_argument("--cpu-gemm", nargs="*", default=None,
-                        help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's")
-    parser.add_argument("--lookup-tokens", nargs="*", default=None,
-                        help="measure each decode.lookup_tokens in turn (0 = no prompt lookup); default: the config's")
-    parser.add_argument("--draft-choice", nargs="*", default=None,
-                        help="measure each decode.draft_choice in turn (auto | topk | sample; sample needs "
-                             "decode.temperature > 0); default: the config's")
+    parser.add_argument(
+        "--dtypes",
+        nargs="*",
+        default=None,
+        help="measure each dtype in turn (auto | float32 | bfloat16 | float16); default: auto",
+    )
+    parser.add_argument(
+        "--draft-weights",
+        nargs="*",
+        default=None,
+        help="measure each head setting in turn (auto | full | int8 | int8_weight_only), for every dtype; default: the config's",
+    )
+    parser.add_argument(
+        "--cpu-gemm",
+        nargs="*",
+        default=None,
+        help="measure each target.cpu_gemm in turn (auto | stock | transposed); default: the config's",
+    )
+    parser.add_argument(
+        "--lookup-tokens",
+        nargs="*",
+        default=None,
+        help="measure each decode.lookup_tokens in turn (0 = no prompt lookup); default: the config's",
+    )
+    parser.add_argument(
+        "--draft-choice",
+        nargs="*",
+        default=None,
+        help="measure each decode.draft_choice in turn (auto | topk | sample; sample needs "
+        "decode.temperature > 0); default: the config's",
+    )
     parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
     args = parser.parse_intermixed_args(argv)  # overrides may follow options: `... --max-prompts 40 eval.x=y`
 
@@ -103,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args.draft_choice = choices or None
     head = Path(args.head) if args.head else DEFAULT_HEAD
     if not head.exists():
-        parser.error(f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
-                     "output dir, or pass any head folder")
+        parser.error(
+            f"no draft head at {head}: train one (eagle-train recipe=smollm2-135m-instruct) and pass its "
+            "output dir, or pass any head folder"
+        )
 
     overrides = [
         "recipe=smollm2-135m-instruct",
@@ -120,19 +142,35 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"eval.num_threads={args.threads}")
     if args.tree_sweep:
         overrides.append(f"eval.tree_sweep=[{','.join(map(str, args.tree_sweep))}]")
-    runs = [(dtype, weights, gemm, lookup, choice) for dtype in args.dtypes or ["auto"]
-            for weights in args.draft_weights or [None] for gemm in args.cpu_gemm or [None]
-            for lookup in args.lookup_tokens or [None] for choice in args.draft_choice or [None]]
+    runs = [
+        (dtype, weights, gemm, lookup, choice)
+        for dtype in args.dtypes or ["auto"]
+        for weights in args.draft_weights or [None]
+        for gemm in args.cpu_gemm or [None]
+        for lookup in args.lookup_tokens or [None]
+        for choice in args.draft_choice or [None]
+    ]
     reports: dict[str, dict] = {}
     status = 0
     for dtype, weights, gemm, lookup, choice in runs:
-        label = "-".join(x for x in (dtype, weights, gemm and f"gemm-{gemm}", lookup is not None and f"lookup-{lookup}",
-                                     choice and f"draft-{choice}") if x)
+        label = "-".join(
+            x
+            for x in (
+                dtype,
+                weights,
+                gemm and f"gemm-{gemm}",
+                lookup is not None and f"lookup-{lookup}",
+                choice and f"draft-{choice}",
+            )
+            if x
+        )
         out = Path(args.output_dir) / label if len(runs) > 1 else Path(args.output_dir)
-        setting = ([] if weights is None else [f"decode.draft_weights={weights}"]) + (
-            [] if gemm is None else [f"target.cpu_gemm={gemm}"]) + (
-            [] if lookup is None else [f"decode.lookup_tokens={lookup}"]) + (
-            [] if choice is None else [f"decode.draft_choice={choice}"])
+        setting = (
+            ([] if weights is None else [f"decode.draft_weights={weights}"])
+            + ([] if gemm is None else [f"target.cpu_gemm={gemm}"])
+            + ([] if lookup is None else [f"decode.lookup_tokens={lookup}"])
+            + ([] if choice is None else [f"decode.draft_choice={choice}"])
+        )
         cfg = compose([*overrides, f"target.dtype={dtype}", *setting, f"output_dir={out}", *args.overrides])
         try:
             r = evaluate(cfg)
@@ -141,19 +179,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
         s = r["settings"]
-        reports[f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')}; "
-                f"lookup {s['tree'].get('lookup_tokens', 0)}"
-                + (f"; draft {s['tree']['draft_choice']}" if "draft_choice" in s["tree"] else "") + ")"] = r
+        reports[
+            f"{s['dtype']} (head {s['draft_dtype']}, {s['draft_weights']}; gemm {s.get('cpu_gemm', 'stock')}; "
+            f"lookup {s['tree'].get('lookup_tokens', 0)}"
+            + (f"; draft {s['tree']['draft_choice']}" if "draft_choice" in s["tree"] else "")
+            + ")"
+        ] = r
         _print_report(r, out)
         status = max(status, _lossless_status(r))
     if len(reports) > 1:
-        print(f"\n{'target dtype (head; target gemm; lookup; draft)':<80}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
-              f"{'draft/plain':>13}{'greedy':>8}")
+        print(
+            f"\n{'target dtype (head; target gemm; lookup; draft)':<80}{'tau':>6}{'spec tok/s':>12}{'HF tok/s':>10}{'vs HF':>8}{'vs AR':>8}"
+            f"{'draft/plain':>13}{'greedy':>8}"
+        )
         for dt, r in reports.items():
             m = r["methods"]
-            print(f"{dt:<80}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
-                  f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
-                  f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}")
+            print(
+                f"{dt:<80}{_f(r['tau']):>6}{m['speculative']['tokens_per_s']:>12.1f}"
+                f"{m.get('hf_generate', {}).get('tokens_per_s', float('nan')):>10.1f}{_f(r['speedup']):>8}"
+                f"{_f(r['speedup_vs_autoregressive']):>8}{_f(_draft_share_of_plain(r)):>13}{_f(r['greedy_match']):>8}"
+            )
     return status
 
 
@@ -176,7 +221,7 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
     cache, windows = new_cache(), layer_windows(target.config)
     target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows, last_logits_only=True)
     parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
-    parents[n // 2 + 1:] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
+    parents[n // 2 + 1 :] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
 
     mask, depth = tree_mask(parents), torch.zeros(n, dtype=torch.long)
     for i in range(1, n):
@@ -184,13 +229,24 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
 
     def bare() -> None:
         with torch.inference_mode():
-            target(input_ids=ids[None, ctx:], position_ids=torch.arange(ctx, ctx + n)[None], past_key_values=cache,
-                   use_cache=True)
+            target(
+                input_ids=ids[None, ctx:],
+                position_ids=torch.arange(ctx, ctx + n)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
         crop_cache(cache, ctx)
 
     def verify() -> None:
-        target_forward(target, ids[ctx:], ctx + depth, cache, mask, feature_layer_ids=list(head.feature_layer_ids()),
-                       windows=windows)
+        target_forward(
+            target,
+            ids[ctx:],
+            ctx + depth,
+            cache,
+            mask,
+            feature_layer_ids=list(head.feature_layer_ids()),
+            windows=windows,
+        )
         crop_cache(cache, ctx)
 
     bare_ms, verify_ms = median_ms(bare, reps=7), median_ms(verify, reps=7)
@@ -205,44 +261,63 @@ def _lossless_status(r: dict) -> int:
     d = r.get("divergence") or {}
     if r["settings"]["dtype"] != "float32" and d.get("all_numeric"):
         return 0
-    print(f"bench_decode: speculative greedy output differs from HF generate's in {r['settings']['dtype']} "
-          "beyond numerics (see per_prompt divergence)", file=sys.stderr)
+    print(
+        f"bench_decode: speculative greedy output differs from HF generate's in {r['settings']['dtype']} "
+        "beyond numerics (see per_prompt divergence)",
+        file=sys.stderr,
+    )
     return 1
 
 
 def _print_report(r: dict, out: Path) -> None:
     s, d, hw = r["settings"], r["decoder"], r["settings"]["hardware"]
-    print(f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), {s['prompts']} x{r['num_prompts']} "
-          f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']} "
-          f"(head {s['draft_dtype']}, {s['draft_weights']} weights), target gemm {s.get('cpu_gemm', 'stock')}")
+    print(
+        f"\nSmolLM2-135M-Instruct + {s['draft_folder']} ({s['algorithm']}), {s['prompts']} x{r['num_prompts']} "
+        f"({r['num_turns']} turns), T={s['temperature']}, max_new_tokens={s['max_new_tokens']}, dtype {s['dtype']} "
+        f"(head {s['draft_dtype']}, {s['draft_weights']} weights), target gemm {s.get('cpu_gemm', 'stock')}"
+    )
     print(f"hardware: {hw['cpu']} | {hw['torch_threads']} torch threads | torch {hw['torch_version']} | {hw['device']}")
     print(f"tree: {s['tree']} | mean verified tree size {_f(r['mean_tree_size'], '.1f')}")
     if r.get("lookup_nodes_per_step") is not None:
-        print(f"prompt lookup (decode.lookup_tokens={s['tree'].get('lookup_tokens')}): "
-              f"{r['lookup_nodes_per_step']:.2f} grafted nodes per step, {r['lookup_accepted_share']:.3f} of the tokens")
+        print(
+            f"prompt lookup (decode.lookup_tokens={s['tree'].get('lookup_tokens')}): "
+            f"{r['lookup_nodes_per_step']:.2f} grafted nodes per step, {r['lookup_accepted_share']:.3f} of the tokens"
+        )
     if s.get("auto_verify_seconds"):
-        print("verify pass ms by size: " + ", ".join(f"{k}: {1000 * v:.1f}" for k, v in s["auto_verify_seconds"].items()))
+        print(
+            "verify pass ms by size: " + ", ".join(f"{k}: {1000 * v:.1f}" for k, v in s["auto_verify_seconds"].items())
+        )
     print(f"\n{'method':<16}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
     for name, m in r["methods"].items():
         print(f"{name:<16}{m['tokens']:>8}{m['seconds']:>10.2f}{m['tokens_per_s']:>10.1f}")
     print(f"\ntau {_f(r['tau'])} | accept rate by depth {[round(x, 3) for x in r['accept_rate_by_depth']]}")
-    print(f"speedup vs HF generate {_f(r['speedup'])}x | vs prompt lookup {_f(r['speedup_vs_prompt_lookup'])}x | "
-          f"vs autoregressive {_f(r['speedup_vs_autoregressive'])}x | greedy match {_f(r['greedy_match'])}")
-    print(f"decoder per step: verify {_f(d['verify_ms_per_step'])} ms, head {_f(d['draft_ms_per_step'])} ms, "
-          f"bookkeeping {_f(d['bookkeeping_ms_per_step'])} ms; overhead share {_f(d['decoder_overhead_share'])} "
-          f"(head {_f(d['draft_share'])}, bookkeeping {_f(d['bookkeeping_share'])}); drafting = "
-          f"{_f(_draft_share_of_plain(r))} of a plain decoding step")
+    print(
+        f"speedup vs HF generate {_f(r['speedup'])}x | vs prompt lookup {_f(r['speedup_vs_prompt_lookup'])}x | "
+        f"vs autoregressive {_f(r['speedup_vs_autoregressive'])}x | greedy match {_f(r['greedy_match'])}"
+    )
+    print(
+        f"decoder per step: verify {_f(d['verify_ms_per_step'])} ms, head {_f(d['draft_ms_per_step'])} ms, "
+        f"bookkeeping {_f(d['bookkeeping_ms_per_step'])} ms; overhead share {_f(d['decoder_overhead_share'])} "
+        f"(head {_f(d['draft_share'])}, bookkeeping {_f(d['bookkeeping_share'])}); drafting = "
+        f"{_f(_draft_share_of_plain(r))} of a plain decoding step"
+    )
     bv = r["bare_vs_verify"]
-    print(f"verify pass of {bv['tokens']} tree tokens {bv['verify_ms']:.1f} ms vs bare causal forward "
-          f"{bv['bare_ms']:.1f} ms (x{bv['ratio']:.2f}) after {bv['context']} cached tokens")
+    print(
+        f"verify pass of {bv['tokens']} tree tokens {bv['verify_ms']:.1f} ms vs bare causal forward "
+        f"{bv['bare_ms']:.1f} ms (x{bv['ratio']:.2f}) after {bv['context']} cached tokens"
+    )
     dv = r.get("divergence")
     if dv and dv["divergent_turns"]:
-        print(f"greedy divergences: {dv['divergent_turns']}/{dv['turns']} turns, max fp32 margin "
-              f"{_f(dv['max_margin'], '.3f')}, max gap {_f(dv['max_gap'], '.3f')} (limit {dv['margin_limit']}): "
-              f"{'numeric' if dv['all_numeric'] else 'NOT all numeric'}")
+        print(
+            f"greedy divergences: {dv['divergent_turns']}/{dv['turns']} turns, max fp32 margin "
+            f"{_f(dv['max_margin'], '.3f')}, max gap {_f(dv['max_gap'], '.3f')} (limit {dv['margin_limit']}): "
+            f"{'numeric' if dv['all_numeric'] else 'NOT all numeric'}"
+        )
     for row in r.get("tree_sweep", []):
-        print(f"  tree {row['tree_total_tokens']:>3}: tau {_f(row['tau'])}, {row['tokens_per_s']:.1f} tok/s, "
-              f"speedup {_f(row['speedup'])}x")
+        print(
+            f"  tree {row['tree_total_tokens']:>3}: tau {_f(row['tau'])}, {row['tokens_per_s']:.1f} tok/s, "
+            f"speedup {_f(row['speedup'])}x"
+        )
     print(f"report: {out}/report.json, report.md")
 
 

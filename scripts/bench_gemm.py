@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware_info("cpu")
     print(f"{hw['cpu']} | {torch.get_num_threads()} threads | torch {torch.__version__}")
 
-    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)},
-                    key=lambda s: -s[0] * s[1])
+    shapes = sorted(
+        {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}, key=lambda s: -s[0] * s[1]
+    )
     gen = torch.Generator().manual_seed(0)
     print(f"\nlinears (ms, torch / W @ x^T):\n{'[out, in]':<16}" + "".join(f"{r:>16}" for r in args.rows))
     with torch.inference_mode():
@@ -58,11 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ids = torch.randint(0, model.config.vocab_size, (args.context + max(args.rows),), generator=gen)
     cache, windows = new_cache(), layer_windows(model.config)
-    target_forward(model, ids[: args.context], torch.arange(args.context), cache, windows=windows, last_logits_only=True)
+    target_forward(
+        model, ids[: args.context], torch.arange(args.context), cache, windows=windows, last_logits_only=True
+    )
 
     def forward(rows: int) -> None:
-        target_forward(model, ids[args.context: args.context + rows], torch.arange(args.context, args.context + rows),
-                       cache, windows=windows)
+        target_forward(
+            model,
+            ids[args.context : args.context + rows],
+            torch.arange(args.context, args.context + rows),
+            cache,
+            windows=windows,
+        )
         crop_cache(cache, args.context)
 
     print(f"\ntarget forward of N new tokens after {args.context} cached (ms):")
@@ -75,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = median_ms(lambda rows=rows: forward(rows), args.reps)
         base.setdefault("stock", stock)
         base.setdefault("mine", mine)
-        print(f"{rows:>4}{stock:>10.1f}{mine:>10.1f}{mine / stock:>8.2f}{stock / base['stock']:>14.2f}"
-              f"{mine / base['mine']:>14.2f}")
+        print(
+            f"{rows:>4}{stock:>10.1f}{mine:>10.1f}{mine / stock:>8.2f}{stock / base['stock']:>14.2f}"
+            f"{mine / base['mine']:>14.2f}"
+        )
     return 0
 
 

@@ -45,8 +45,13 @@ from eagle.train.trainer import train
 
 VARIANTS: dict[str, list[str]] = {
     # The recipe before the training issue: float32, random batches, plain EAGLE-3.
-    "old": ["train.mixed_precision=no", "train.group_by_length=false", "draft.fc_norm=false",
-            "draft.norm_output=false", "train.ttt_steps=5"],
+    "old": [
+        "train.mixed_precision=no",
+        "train.group_by_length=false",
+        "draft.fc_norm=false",
+        "draft.norm_output=false",
+        "train.ttt_steps=5",
+    ],
     "recipe": [],
     # The pair of the 2026-12-07 norm study (docs/benchmarks.md): plain EAGLE-3 (the recipe since) and EAGLE-3.1.
     "eagle3.0": ["draft.fc_norm=false", "draft.norm_output=false"],
@@ -71,10 +76,18 @@ VARIANTS: dict[str, list[str]] = {
     "dflash-b8": ["draft=dflash", "draft.block_size=8", "draft.aux_layer_ids=[2,15,27]"],
     "dflash-b16": ["draft=dflash", "draft.block_size=16", "draft.aux_layer_ids=[2,15,27]"],
     "dflash-b8-l2": ["draft=dflash", "draft.block_size=8", "draft.num_layers=2", "draft.aux_layer_ids=[2,15,27]"],
-    "peagle-k4": ["draft=peagle", "draft.parallel_tokens=4", "draft.aux_layer_ids=[2,15,27]",
-                  "draft.draft_vocab_size=8192"],
-    "peagle-k8": ["draft=peagle", "draft.parallel_tokens=8", "draft.aux_layer_ids=[2,15,27]",
-                  "draft.draft_vocab_size=8192"],
+    "peagle-k4": [
+        "draft=peagle",
+        "draft.parallel_tokens=4",
+        "draft.aux_layer_ids=[2,15,27]",
+        "draft.draft_vocab_size=8192",
+    ],
+    "peagle-k8": [
+        "draft=peagle",
+        "draft.parallel_tokens=8",
+        "draft.aux_layer_ids=[2,15,27]",
+        "draft.draft_vocab_size=8192",
+    ],
     "recipe-lk": ["train.loss=lk_hybrid"],
     "dflash-b8-lk": ["draft=dflash", "draft.block_size=8", "draft.aux_layer_ids=[2,15,27]", "train.loss=lk_hybrid"],
 }
@@ -84,8 +97,9 @@ def _train(overrides: list[str]):
     return train(compose(overrides))
 
 
-def run_variant(name: str, base: list[str], work: Path, minutes: float, steps: int | None = None,
-                seed: int | None = None) -> dict:
+def run_variant(
+    name: str, base: list[str], work: Path, minutes: float, steps: int | None = None, seed: int | None = None
+) -> dict:
     extra = VARIANTS[name]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if steps is not None:  # accounting "steps": the lr schedule runs over the steps, no wall-clock cap
@@ -94,14 +108,28 @@ def run_variant(name: str, base: list[str], work: Path, minutes: float, steps: i
         # The lr decays over the budget's wall time (train.schedule_over=minutes), so every variant ends its
         # schedule when its minutes end, whatever its step time; max_steps only caps. The budget includes
         # setup and the untrained held-out evaluation; the final evaluation runs after it.
-        budget = [f"output_dir={work / f'{name}-{stamp}'}", "train.max_steps=1000000", f"train.max_minutes={minutes}",
-                  "train.schedule_over=minutes"]
+        budget = [
+            f"output_dir={work / f'{name}-{stamp}'}",
+            "train.max_steps=1000000",
+            f"train.max_minutes={minutes}",
+            "train.schedule_over=minutes",
+        ]
     t0 = time.perf_counter()
     result = _train(base + extra + budget + ["train.eval_every=1000000", "train.save_every=50", "train.resume=false"])
-    return {"variant": name, "seed": seed, "overrides": extra, "steps": result.step, "stopped": result.stopped,
-            "wall_s": time.perf_counter() - t0, "tokens_per_s": result.train_metrics.get("tokens_per_s"),
-            "timings": result.timings, "heldout": result.eval_metrics, "best_tau_sim": result.best_metric,
-            "best_step": result.best_step, "output_dir": str(result.output_dir)}
+    return {
+        "variant": name,
+        "seed": seed,
+        "overrides": extra,
+        "steps": result.step,
+        "stopped": result.stopped,
+        "wall_s": time.perf_counter() - t0,
+        "tokens_per_s": result.train_metrics.get("tokens_per_s"),
+        "timings": result.timings,
+        "heldout": result.eval_metrics,
+        "best_tau_sim": result.best_metric,
+        "best_step": result.best_step,
+        "output_dir": str(result.output_dir),
+    }
 
 
 def _settings_sha256(base: list[str]) -> str:
@@ -115,9 +143,14 @@ def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
     if path is None or not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    if any(old.get(k) != report.get(k) for k in ("minutes", "steps", "capture", "base", "accounting", "settings_sha256")):
-        print(f"{path}: another budget, capture, base settings, resolved settings or budget accounting; measuring every variant "
-              "again", flush=True)
+    if any(
+        old.get(k) != report.get(k) for k in ("minutes", "steps", "capture", "base", "accounting", "settings_sha256")
+    ):
+        print(
+            f"{path}: another budget, capture, base settings, resolved settings or budget accounting; measuring every variant "
+            "again",
+            flush=True,
+        )
         return {}
     return {(r["variant"], r.get("seed")): r for r in old.get("runs", [])}
 
@@ -126,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--capture", type=Path, required=True, help="an eagle-capture output_dir (recipe settings)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget per variant")
-    p.add_argument("--steps", type=int, default=None,
-                   help="train each variant for this many steps (accounting 'steps') instead of --minutes")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train each variant for this many steps (accounting 'steps') instead of --minutes",
+    )
     p.add_argument("--seeds", default="0", help="with --steps: comma-separated training seeds, each a run per variant")
     p.add_argument("--variants", default="old,recipe", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--eval-batches", type=int, default=24)
@@ -142,17 +179,28 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.capture / "manifest.json").is_file():
         p.error(f"--capture {args.capture}: no manifest.json (run eagle-capture recipe={args.recipe} first)")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
-    base = [f"recipe={args.recipe}", f"train.data_dir={args.capture}", f"train.eval_batches={args.eval_batches}",
-            "train.log_every=10", *args.overrides]
+    base = [
+        f"recipe={args.recipe}",
+        f"train.data_dir={args.capture}",
+        f"train.eval_batches={args.eval_batches}",
+        "train.log_every=10",
+        *args.overrides,
+    ]
     # accounting 3: the lr decays over the budget's minutes and the only held-out evaluation inside it is
     # the untrained one. Earlier studies planned max_steps from a short probe (off by up to 1.6x, so a
     # schedule ended early or was cut) and evaluated 10 times (30-50% of a budget); rows of another
     # accounting are not comparable and are measured again.
     # Changed settings (the recipe's values or a code default) change what `recipe` and every variant
     # built on it mean: measured again. The composed config is hashed, so a comment in the YAML is not.
-    report = {"minutes": None if args.steps else args.minutes, "steps": args.steps, "capture": str(args.capture),
-              "base": base, "accounting": "steps" if args.steps else 3, "settings_sha256": _settings_sha256(base),
-              "runs": []}
+    report = {
+        "minutes": None if args.steps else args.minutes,
+        "steps": args.steps,
+        "capture": str(args.capture),
+        "base": base,
+        "accounting": "steps" if args.steps else 3,
+        "settings_sha256": _settings_sha256(base),
+        "runs": [],
+    }
     done = _finished_runs(args.json, report)
     # Seeds only in the steps accounting: a wall-clock run is one per variant (seed None), as before.
     seeds = [int(s) for s in args.seeds.split(",")] if args.steps else [None]
@@ -177,20 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         m = r["heldout"] or {}
         old = old_by_seed.get(r.get("seed"))
-        ratio = (f"{m['acc_0'] / old['heldout']['acc_0']:.2f}x"
-                 if old and old["heldout"] and old["heldout"].get("acc_0") and "acc_0" in m else "-")
+        ratio = (
+            f"{m['acc_0'] / old['heldout']['acc_0']:.2f}x"
+            if old and old["heldout"] and old["heldout"].get("acc_0") and "acc_0" in m
+            else "-"
+        )
         seed = "-" if r.get("seed") is None else str(r["seed"])
-        print(f"{r['variant']:<14} {seed:>4}  {r['steps']:5d}  {r['wall_s'] / max(r['steps'], 1):6.2f}  {r['tokens_per_s'] or 0:5.0f}  "
-              f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
-              f"  {m.get('tau_sim', float('nan')):7.3f}  {ratio}")
+        print(
+            f"{r['variant']:<14} {seed:>4}  {r['steps']:5d}  {r['wall_s'] / max(r['steps'], 1):6.2f}  {r['tokens_per_s'] or 0:5.0f}  "
+            f"{m.get('acc_0', float('nan')):.3f}  {m.get('acc_1', float('nan')):.3f}  {m.get('acc_2', float('nan')):.3f}"
+            f"  {m.get('tau_sim', float('nan')):7.3f}  {ratio}"
+        )
     if len(seeds) > 1 and len(variants) > 1:  # paired by seed: same batches and initialisation
         first = {r.get("seed"): r for r in rows if r["variant"] == variants[0]}
         for name in variants[1:]:
-            diffs = [r["heldout"]["acc_0"] - first[r.get("seed")]["heldout"]["acc_0"] for r in rows
-                     if r["variant"] == name and r.get("seed") in first and r["heldout"] and first[r.get("seed")]["heldout"]]
+            diffs = [
+                r["heldout"]["acc_0"] - first[r.get("seed")]["heldout"]["acc_0"]
+                for r in rows
+                if r["variant"] == name and r.get("seed") in first and r["heldout"] and first[r.get("seed")]["heldout"]
+            ]
             if diffs:
-                print(f"acc@0 {name} - {variants[0]}, per seed: {', '.join(f'{d:+.3f}' for d in diffs)}; "
-                      f"mean {sum(diffs) / len(diffs):+.3f}")
+                print(
+                    f"acc@0 {name} - {variants[0]}, per seed: {', '.join(f'{d:+.3f}' for d in diffs)}; "
+                    f"mean {sum(diffs) / len(diffs):+.3f}"
+                )
     return 0
 
 

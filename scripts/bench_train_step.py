@@ -48,10 +48,13 @@ def _collate(convs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-padded batch in the trainer's layout ([B, T] ids / masks, [B, T, k, H] aux, [B, T, H] final)."""
     b, t = len(convs), max(c["input_ids"].numel() for c in convs)
     aux, final = convs[0]["aux_hidden"], convs[0]["final_hidden"]
-    out = {"input_ids": torch.zeros(b, t, dtype=torch.long), "attention_mask": torch.zeros(b, t, dtype=torch.long),
-           "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
-           "aux_hidden": torch.zeros(b, t, *aux.shape[1:], dtype=aux.dtype),
-           "final_hidden": torch.zeros(b, t, *final.shape[1:], dtype=final.dtype)}
+    out = {
+        "input_ids": torch.zeros(b, t, dtype=torch.long),
+        "attention_mask": torch.zeros(b, t, dtype=torch.long),
+        "loss_mask": torch.zeros(b, t, dtype=torch.uint8),
+        "aux_hidden": torch.zeros(b, t, *aux.shape[1:], dtype=aux.dtype),
+        "final_hidden": torch.zeros(b, t, *final.shape[1:], dtype=final.dtype),
+    }
     for i, c in enumerate(convs):
         n = c["input_ids"].numel()
         out["input_ids"][i, :n] = c["input_ids"]
@@ -75,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     target, _, _ = load_target(cfg.target, stage="train")
     head_cfg = head_config_from_target(target.config, cfg.draft)
     torch.manual_seed(args.seed)
-    head = build_head(head_cfg, target, torch.ones(head_cfg.vocab_size))  # the vocabulary choice does not change timings
+    head = build_head(
+        head_cfg, target, torch.ones(head_cfg.vocab_size)
+    )  # the vocabulary choice does not change timings
     algorithm = get_algorithm(head_cfg.algorithm)
     lm_head = target.get_output_embeddings()
     label_rows = algorithm.label_rows(head, lm_head)
@@ -98,9 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     seconds = sum(step(b) for b in batches)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     loss_tokens = sum(int(b["loss_mask"].sum()) for b in batches)
-    print(json.dumps({"eagle": str(Path(eagle.__file__).parent.parent), "ttt_steps": args.ttt, "batches": args.batches,
-                      "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                      "loss_token_share": loss_tokens / tokens, "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "eagle": str(Path(eagle.__file__).parent.parent),
+                "ttt_steps": args.ttt,
+                "batches": args.batches,
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": tokens / seconds,
+                "loss_token_share": loss_tokens / tokens,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
     return 0
 
 

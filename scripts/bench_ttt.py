@@ -33,10 +33,13 @@ def _batch(b: int, t: int, vocab: int, aux: int, hidden: int, seed: int) -> dict
     g = torch.Generator().manual_seed(seed)
     loss_mask = torch.ones(b, t, dtype=torch.uint8)
     loss_mask[:, : t // 5] = 0  # the prompt
-    return {"input_ids": torch.randint(0, vocab, (b, t), generator=g),
-            "attention_mask": torch.ones(b, t, dtype=torch.long), "loss_mask": loss_mask,
-            "aux_hidden": torch.randn(b, t, aux, hidden, generator=g).half(),
-            "final_hidden": torch.randn(b, t, hidden, generator=g).half()}
+    return {
+        "input_ids": torch.randint(0, vocab, (b, t), generator=g),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "aux_hidden": torch.randn(b, t, aux, hidden, generator=g).half(),
+        "final_hidden": torch.randn(b, t, hidden, generator=g).half(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-5)
 
     def step(batch: dict, steps: int, dense: bool) -> tuple[float, float]:
-        settings = replace(algorithm.loss_settings(cfg.draft, cfg.train, 0, training=True), steps=steps,
-                           dense_ttt_mask=dense)
+        settings = replace(
+            algorithm.loss_settings(cfg.draft, cfg.train, 0, training=True), steps=steps, dense_ttt_mask=dense
+        )
         t0 = time.perf_counter()
         parts = algorithm.forward_loss(head, lm_head, batch, settings, None, label_rows)
         parts.objective.backward()
@@ -71,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0, float(parts.objective.detach())
 
     rows = []
-    print(f"{info.model_type} target, head {head_cfg.hidden_size} wide, draft vocab {head_cfg.draft_vocab_size}, "
-          f"batch {args.batch_size}, {torch.get_num_threads()} threads, {next(head.parameters()).dtype}")
+    print(
+        f"{info.model_type} target, head {head_cfg.hidden_size} wide, draft vocab {head_cfg.draft_vocab_size}, "
+        f"batch {args.batch_size}, {torch.get_num_threads()} threads, {next(head.parameters()).dtype}"
+    )
     print("length  ttt   dense s/step  structured s/step  dense/structured  loss rel. diff")
     for t in (int(x) for x in args.lengths.split(",")):
-        batch = _batch(args.batch_size, t, head_cfg.vocab_size, len(head_cfg.aux_layer_ids),
-                       head_cfg.target_hidden_size, seed=t)
+        batch = _batch(
+            args.batch_size, t, head_cfg.vocab_size, len(head_cfg.aux_layer_ids), head_cfg.target_hidden_size, seed=t
+        )
         for steps in (int(x) for x in args.ttt.split(",")):
             times: dict[bool, list[float]] = {True: [], False: []}
             losses: dict[bool, float] = {}
@@ -90,15 +97,36 @@ def main(argv: list[str] | None = None) -> int:
                         times[dense].append(seconds)
             dense_s, fast_s = statistics.median(times[True]), statistics.median(times[False])
             diff = abs(losses[True] - losses[False]) / max(abs(losses[True]), 1e-12)
-            rows.append({"length": t, "ttt_steps": steps, "dense_s": dense_s, "structured_s": fast_s,
-                         "ratio": dense_s / fast_s, "loss_rel_diff": diff, "dense_runs": times[True],
-                         "structured_runs": times[False]})
-            print(f"{t:6d}  {steps:3d}  {dense_s:12.2f}  {fast_s:17.2f}  {dense_s / fast_s:15.2f}x  {diff:.1e}",
-                  flush=True)
+            rows.append(
+                {
+                    "length": t,
+                    "ttt_steps": steps,
+                    "dense_s": dense_s,
+                    "structured_s": fast_s,
+                    "ratio": dense_s / fast_s,
+                    "loss_rel_diff": diff,
+                    "dense_runs": times[True],
+                    "structured_runs": times[False],
+                }
+            )
+            print(
+                f"{t:6d}  {steps:3d}  {dense_s:12.2f}  {fast_s:17.2f}  {dense_s / fast_s:15.2f}x  {diff:.1e}",
+                flush=True,
+            )
     if args.json:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "batch_size": args.batch_size,
-                                         "recipe": args.recipe, "overrides": args.overrides, "rows": rows},
-                                        indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "threads": torch.get_num_threads(),
+                    "batch_size": args.batch_size,
+                    "recipe": args.recipe,
+                    "overrides": args.overrides,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

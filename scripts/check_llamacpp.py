@@ -49,25 +49,37 @@ ACCEPT_MARGIN = 0.05
 def prepare(args: argparse.Namespace) -> int:
     where = local_target(args.target)
     if where.gguf is None or where.hf_dir is None:
-        print(f"FAIL: llama.cpp check: target.path={args.target} needs a local GGUF file (llama-server's -m) and "
-              f"a local HF folder (the converter's --target-model-dir); found gguf={where.gguf}, folder={where.hf_dir}"
-              ". Give TARGET=path/to/model.gguf, or convert the HF folder with llama.cpp's convert_hf_to_gguf.py")
+        print(
+            f"FAIL: llama.cpp check: target.path={args.target} needs a local GGUF file (llama-server's -m) and "
+            f"a local HF folder (the converter's --target-model-dir); found gguf={where.gguf}, folder={where.hf_dir}"
+            ". Give TARGET=path/to/model.gguf, or convert the HF folder with llama.cpp's convert_hf_to_gguf.py"
+        )
         return 1
     cfg = TargetConfig(path=args.target)
     folder, _ = resolve_target_path(cfg)
     tok = load_tokenizer(cfg, folder)
-    prompts = [{"id": p.id, "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": p.turns[0]}])[0].tolist()}
-               for p in load_eval_prompts("mt_bench")[: args.prompts]]
+    prompts = [
+        {"id": p.id, "prompt_token_ids": encode_chat(tok, [{"role": "user", "content": p.turns[0]}])[0].tolist()}
+        for p in load_eval_prompts("mt_bench")[: args.prompts]
+    ]
     head = check_folder(args.head)
     algo = algorithm_of(head.config)
     # A block drafter drafts its whole block each pass: that is the one draft length to serve and predict.
-    out = {"target": args.target, "gguf": where.gguf, "hf_dir": where.hf_dir, "prompts": prompts,
-           "algorithm": head.config.algorithm, "spec_type": algo.llamacpp_spec_type,
-           "block_drafts": algo.block_drafts(head.config)}
+    out = {
+        "target": args.target,
+        "gguf": where.gguf,
+        "hf_dir": where.hf_dir,
+        "prompts": prompts,
+        "algorithm": head.config.algorithm,
+        "spec_type": algo.llamacpp_spec_type,
+        "block_drafts": algo.block_drafts(head.config),
+    }
     Path(args.out).write_text(json.dumps(out, indent=1))
     lengths = [len(p["prompt_token_ids"]) for p in prompts]
-    print(f"prepare: target GGUF {where.gguf}\n  HF folder {where.hf_dir}\n  {len(prompts)} MT-bench first turns, "
-          f"{min(lengths)}-{max(lengths)} prompt tokens")
+    print(
+        f"prepare: target GGUF {where.gguf}\n  HF folder {where.hf_dir}\n  {len(prompts)} MT-bench first turns, "
+        f"{min(lengths)}-{max(lengths)} prompt tokens"
+    )
     return 0
 
 
@@ -96,22 +108,63 @@ def _metrics(url: str) -> dict[str, float]:
 def run_one(args: argparse.Namespace, prep: dict, n: int, label: str) -> dict:
     """One llama-server (with the head drafting n tokens a step, or without it for n = 0) over every prompt."""
     port = free_port()
-    cmd = [args.server, "-m", prep["gguf"], "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
-           "-tb", str(args.threads), "--parallel", "1", "-c", str(args.ctx), "--metrics", "--no-webui"]
+    cmd = [
+        args.server,
+        "-m",
+        prep["gguf"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "--parallel",
+        "1",
+        "-c",
+        str(args.ctx),
+        "--metrics",
+        "--no-webui",
+    ]
     if n:
         # --spec-draft-p-min 0 (b11434's default, spelt out): draft all n tokens every step, as vLLM's k does.
-        cmd += ["--spec-draft-model", args.head_gguf, "--spec-type", prep["spec_type"], "--spec-draft-n-max", str(n),
-                "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-    server = Server(f"llama-server ({label})", cmd, dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
-                    Path(args.work) / f"{label}.log", port)
+        cmd += [
+            "--spec-draft-model",
+            args.head_gguf,
+            "--spec-type",
+            prep["spec_type"],
+            "--spec-draft-n-max",
+            str(n),
+            "--spec-draft-n-min",
+            "0",
+            "--spec-draft-p-min",
+            "0",
+        ]
+    server = Server(
+        f"llama-server ({label})",
+        cmd,
+        dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
+        Path(args.work) / f"{label}.log",
+        port,
+    )
     server.log.unlink(missing_ok=True)
     try:
         startup = server.start(args.startup_timeout)
         outputs, predicted_n, predicted_ms = {}, 0, 0.0
         for p in prep["prompts"]:
-            r = _post(f"{server.url}/completion", {
-                "prompt": p["prompt_token_ids"], "n_predict": args.max_new_tokens, "temperature": 0.0,
-                "cache_prompt": False, "return_tokens": True, "stream": False}, timeout=args.request_timeout)
+            r = _post(
+                f"{server.url}/completion",
+                {
+                    "prompt": p["prompt_token_ids"],
+                    "n_predict": args.max_new_tokens,
+                    "temperature": 0.0,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                    "stream": False,
+                },
+                timeout=args.request_timeout,
+            )
             outputs[p["id"]] = [int(t) for t in r["tokens"]]
             predicted_n += r["timings"]["predicted_n"]
             predicted_ms += r["timings"]["predicted_ms"]
@@ -119,16 +172,30 @@ def run_one(args: argparse.Namespace, prep: dict, n: int, label: str) -> dict:
     finally:
         server.stop()
     steps = m.get("spec_decode_num_drafts_total", 0.0)
-    per_pos = [m[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(n)
-               if f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}' in m]
-    out = {"label": label, "n": n, "threads": args.threads, "startup_s": startup, "outputs": outputs,
-           "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-           "tokens_per_s": 1000.0 * predicted_n / predicted_ms if predicted_ms else float("nan"),
-           "verify_steps": steps, "drafted": m.get("spec_decode_num_draft_tokens_total", 0.0),
-           "accepted": m.get("spec_decode_num_accepted_tokens_total", 0.0), "accepted_per_pos": per_pos}
-    print(f"run[{label}]: {predicted_n} tokens, {out['tokens_per_s']:.1f} tok/s"
-          + (f", {steps:.0f} verify steps, {out['accepted']:.0f}/{out['drafted']:.0f} drafts accepted" if n else ""),
-          flush=True)
+    per_pos = [
+        m[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+        for i in range(n)
+        if f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}' in m
+    ]
+    out = {
+        "label": label,
+        "n": n,
+        "threads": args.threads,
+        "startup_s": startup,
+        "outputs": outputs,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "tokens_per_s": 1000.0 * predicted_n / predicted_ms if predicted_ms else float("nan"),
+        "verify_steps": steps,
+        "drafted": m.get("spec_decode_num_draft_tokens_total", 0.0),
+        "accepted": m.get("spec_decode_num_accepted_tokens_total", 0.0),
+        "accepted_per_pos": per_pos,
+    }
+    print(
+        f"run[{label}]: {predicted_n} tokens, {out['tokens_per_s']:.1f} tok/s"
+        + (f", {steps:.0f} verify steps, {out['accepted']:.0f}/{out['drafted']:.0f} drafts accepted" if n else ""),
+        flush=True,
+    )
     return out
 
 
@@ -144,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, OSError, KeyError) as e:
             print(f"FAIL: llama.cpp check: llama-server ({label}) failed: {e}\n  (log: {Path(args.work) / label}.log)")
             return 1
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "max_new_tokens": args.max_new_tokens,
-                                          "runs": runs}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"threads": args.threads, "max_new_tokens": args.max_new_tokens, "runs": runs}, indent=1)
+    )
     return 0
 
 
@@ -153,16 +221,38 @@ def run(args: argparse.Namespace) -> int:
 def verify(args: argparse.Namespace) -> int:
     """llama-bench: tokens/s of an n-token pass at context depth D (pp n) per thread count, n = 1 included."""
     ns = ",".join(args.tokens.split())
-    cmd = [args.bench, "-m", args.gguf, "-p", ns, "-n", "0", "-d", str(args.depth), "-t", ",".join(args.threads.split()),
-           "-r", str(args.repetitions), "-o", "json"]
+    cmd = [
+        args.bench,
+        "-m",
+        args.gguf,
+        "-p",
+        ns,
+        "-n",
+        "0",
+        "-d",
+        str(args.depth),
+        "-t",
+        ",".join(args.threads.split()),
+        "-r",
+        str(args.repetitions),
+        "-o",
+        "json",
+    ]
     print("verify: " + " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          timeout=args.timeout)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=args.timeout)
     if done.returncode != 0:
         print(f"FAIL: llama.cpp check: llama-bench exited {done.returncode}:\n{done.stderr[-2000:]}")
         return 1
-    rows = [{"tokens": r["n_prompt"], "threads": r["n_threads"], "depth": r.get("n_depth", args.depth),
-             "tokens_per_s": r["avg_ts"], "stddev_ts": r.get("stddev_ts")} for r in json.loads(done.stdout)]
+    rows = [
+        {
+            "tokens": r["n_prompt"],
+            "threads": r["n_threads"],
+            "depth": r.get("n_depth", args.depth),
+            "tokens_per_s": r["avg_ts"],
+            "stddev_ts": r.get("stddev_ts"),
+        }
+        for r in json.loads(done.stdout)
+    ]
     Path(args.out).write_text(json.dumps({"depth": args.depth, "command": cmd, "rows": rows}, indent=1))
     return 0
 
@@ -187,13 +277,19 @@ def report(args: argparse.Namespace) -> int:
     before, after = runs["n0-before"], runs["n0-after"]
     base_tps = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
     problems = []
-    print(f"llama.cpp ({args.version}) llama-server, {res['threads']} thread(s): target {prep['gguf']}\n  head "
-          f"{args.head_gguf}\n  {len(prep['prompts'])} MT-bench first turns x up to {res['max_new_tokens']} new tokens, "
-          f"greedy; without the head {before['tokens_per_s']:.1f} tok/s before, {after['tokens_per_s']:.1f} after")
-    print(f"  our prediction: eagle-eval, a chain of {len(ours_pos)} drafts of the same head on the same prompts "
-          f"({ours_steps} verify steps): acceptance per position {' / '.join(f'{x:.2f}' for x in ours_pos)}")
-    print("| draft n | tok/s | vs no head | acceptance per position (llama.cpp) | ours | mean accepted length | "
-          "greedy outputs identical |")
+    print(
+        f"llama.cpp ({args.version}) llama-server, {res['threads']} thread(s): target {prep['gguf']}\n  head "
+        f"{args.head_gguf}\n  {len(prep['prompts'])} MT-bench first turns x up to {res['max_new_tokens']} new tokens, "
+        f"greedy; without the head {before['tokens_per_s']:.1f} tok/s before, {after['tokens_per_s']:.1f} after"
+    )
+    print(
+        f"  our prediction: eagle-eval, a chain of {len(ours_pos)} drafts of the same head on the same prompts "
+        f"({ours_steps} verify steps): acceptance per position {' / '.join(f'{x:.2f}' for x in ours_pos)}"
+    )
+    print(
+        "| draft n | tok/s | vs no head | acceptance per position (llama.cpp) | ours | mean accepted length | "
+        "greedy outputs identical |"
+    )
     print("|---:|---:|---:|---|---|---:|---|")
     print(f"| 0 | {base_tps:.1f} | 1.00 | - | - | 1.00 | - |")
     for r in runs.values():
@@ -205,25 +301,33 @@ def report(args: argparse.Namespace) -> int:
         mal = 1 + r["accepted"] / steps if steps else float("nan")
         same = sum(before["outputs"][pid] == r["outputs"][pid] for pid in before["outputs"])
         total = len(before["outputs"])
-        print(f"| {n} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base_tps:.2f} | "
-              f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {' / '.join(f'{x:.2f}' for x in ours_pos[:n])} | "
-              f"{mal:.2f} | {same}/{total} |")
+        print(
+            f"| {n} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base_tps:.2f} | "
+            f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {' / '.join(f'{x:.2f}' for x in ours_pos[:n])} | "
+            f"{mal:.2f} | {same}/{total} |"
+        )
         if not steps:
             problems.append(f"n={n}: llama-server made no verify steps (the head is not drafting)")
         if same != total:
             pid, at = first_difference(before["outputs"], r["outputs"])
-            problems.append(f"n={n}: greedy output differs from no head on {total - same}/{total} prompts (first: "
-                            f"prompt {pid} at new token {at})")
+            problems.append(
+                f"n={n}: greedy output differs from no head on {total - same}/{total} prompts (first: "
+                f"prompt {pid} at new token {at})"
+            )
         for i, (a, b) in enumerate(zip(per_pos, ours_pos, strict=False)):
             ok, bound = _within_noise(a, steps, b, ours_steps)
             if not ok:
-                problems.append(f"n={n} position {i + 1}: llama.cpp accepts {a:.3f}, our decoder {b:.3f} (more than "
-                                f"the noise bound {bound:.3f} apart: is the head converted with the right layers?)")
+                problems.append(
+                    f"n={n} position {i + 1}: llama.cpp accepts {a:.3f}, our decoder {b:.3f} (more than "
+                    f"the noise bound {bound:.3f} apart: is the head converted with the right layers?)"
+                )
     if args.verify and Path(args.verify).is_file():
         v = json.loads(Path(args.verify).read_text())
         threads = sorted({r["threads"] for r in v["rows"]})
-        print(f"\nllama.cpp's verify cost (llama-bench, pass over n tokens at context depth {v['depth']}, as a "
-              "multiple of a one-token pass; tok/s in brackets):")
+        print(
+            f"\nllama.cpp's verify cost (llama-bench, pass over n tokens at context depth {v['depth']}, as a "
+            "multiple of a one-token pass; tok/s in brackets):"
+        )
         print("| n tokens | " + " | ".join(f"{t} thread(s)" for t in threads) + " |")
         print("|---:|" + "---:|" * len(threads))
         by = {(r["tokens"], r["threads"]): r["tokens_per_s"] for r in v["rows"]}
@@ -233,14 +337,18 @@ def report(args: argparse.Namespace) -> int:
                 one, tps = by.get((1, t)), by.get((n, t))
                 cells.append(f"{(n / tps) / (1 / one):.2f} ({tps:.0f})" if one and tps else "n/a")
             print(f"| {n} | " + " | ".join(cells) + " |")
-        print("A chain of n drafts pays when its mean accepted length exceeds the cost of an (n+1)-token pass plus "
-              "n head steps, in one-token steps.")
+        print(
+            "A chain of n drafts pays when its mean accepted length exceeds the cost of an (n+1)-token pass plus "
+            "n head steps, in one-token steps."
+        )
     if problems:
         print("FAIL: llama.cpp check: " + "; ".join(problems))
         return 1
-    print(f"PASS: llama.cpp check: llama-server serves the head (--spec-type {prep['spec_type']}), greedy outputs "
-          "identical to "
-          "no head at every n, acceptance per position within noise of our decoder's")
+    print(
+        f"PASS: llama.cpp check: llama-server serves the head (--spec-type {prep['spec_type']}), greedy outputs "
+        "identical to "
+        "no head at every n, acceptance per position within noise of our decoder's"
+    )
     return 0
 
 

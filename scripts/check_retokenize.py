@@ -77,17 +77,25 @@ def spliced(run: list[int], text_run: list[int], ids: list[int]) -> bool:
     """Whether `run` (an answer's masked tokens with its ids) is `ids` with, around them, tokens that the
     text-only rendering has there too (the template's glue before, its end-of-turn token after)."""
     for i in range(len(run) - len(ids) + 1):
-        if run[i:i + len(ids)] == ids:
-            before, after = run[:i], run[i + len(ids):]
-            if text_run[:len(before)] == before and (not after or text_run[-len(after):] == after):
+        if run[i : i + len(ids)] == ids:
+            before, after = run[:i], run[i + len(ids) :]
+            if text_run[: len(before)] == before and (not after or text_run[-len(after) :] == after):
                 return True
     return False
 
 
 def compare(conversations: list[Conversation], tokenizer: Any) -> dict[str, Any]:
     """Counts over the assistant answers that hold token ids (see the module docstring)."""
-    stats: dict[str, Any] = {"checked": 0, "text_differs": 0, "unlocated": 0, "splice_differs": 0, "refused": 0,
-                             "skipped": 0, "examples": [], "splice_examples": []}
+    stats: dict[str, Any] = {
+        "checked": 0,
+        "text_differs": 0,
+        "unlocated": 0,
+        "splice_differs": 0,
+        "refused": 0,
+        "skipped": 0,
+        "examples": [],
+        "splice_examples": [],
+    }
     for conv in conversations:
         text_only = Conversation(conv.id, [{"role": m["role"], "content": m["content"]} for m in conv.messages])
         with_ids, _ = tokenize_with_reason(conv, tokenizer, NO_LIMIT, "truncate")
@@ -118,17 +126,24 @@ def compare(conversations: list[Conversation], tokenizer: Any) -> dict[str, Any]
 
 
 def _show(tokenizer: Any, generated: list[int], again: list[int]) -> str:
-    at = next((i for i, (x, y) in enumerate(zip(generated, again, strict=False)) if x != y), min(len(generated), len(again)))
+    at = next(
+        (i for i, (x, y) in enumerate(zip(generated, again, strict=False)) if x != y), min(len(generated), len(again))
+    )
     window = slice(max(0, at - 2), at + 4)
-    return (f"    first difference at token {at} (generated {len(generated)} ids, re-tokenised {len(again)})\n"
-            f"    generated:    {generated[window]} {tokenizer.convert_ids_to_tokens(generated[window])}\n"
-            f"    re-tokenised: {again[window]} {tokenizer.convert_ids_to_tokens(again[window])}")
+    return (
+        f"    first difference at token {at} (generated {len(generated)} ids, re-tokenised {len(again)})\n"
+        f"    generated:    {generated[window]} {tokenizer.convert_ids_to_tokens(generated[window])}\n"
+        f"    re-tokenised: {again[window]} {tokenizer.convert_ids_to_tokens(again[window])}"
+    )
 
 
 def generate(overrides: list[str], n: int, output: Path) -> None:
     """Regenerate the first `n` conversations of `data` into `output`, as eagle-regenerate would."""
-    regenerate_stage(compose([*overrides, f"data.max_conversations={n}", f"regenerate.output={output}",
-                              f"output_dir={output.parent}"]))
+    regenerate_stage(
+        compose(
+            [*overrides, f"data.max_conversations={n}", f"regenerate.output={output}", f"output_dir={output.parent}"]
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,8 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="eagle config overrides, e.g. target.path=... data=...")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", type=Path, help="a regenerated JSONL whose assistant messages hold token_ids")
-    source.add_argument("--conversations", "--generate", type=int, metavar="N",
-                        help="regenerate the first N conversations of data here first")
+    source.add_argument(
+        "--conversations",
+        "--generate",
+        type=int,
+        metavar="N",
+        help="regenerate the first N conversations of data here first",
+    )
     parser.add_argument("--output", type=Path, help="with --conversations: write (or resume) the records here")
     parser.add_argument("--examples", type=int, default=3, help="differences to show")
     args = parser.parse_args(argv)
@@ -152,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         if not getattr(tokenizer, "is_fast", False):
             sys.exit("check_retokenize: needs a fast tokenizer (offsets locate the answer in the rendered text)")
         # Read as training reads it (data=local): the reader keeps the ids, tokenisation splices them.
-        conversations, _ = load_conversations(DataConfig(source="local", path=str(path), dedup_against=[],
-                                                         system_prompt=cfg.data.system_prompt))
+        conversations, _ = load_conversations(
+            DataConfig(source="local", path=str(path), dedup_against=[], system_prompt=cfg.data.system_prompt)
+        )
     stats = compare(conversations, tokenizer)
     n = stats["checked"]
     if n == 0:
@@ -162,8 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"text only: re-tokenise to other ids: {stats['text_differs']} ({stats['text_differs'] / n:.1%})")
     if stats["unlocated"]:
         print(f"text only: not located in the rendering (template rewrites history): {stats['unlocated']}")
-    print(f"after the splice: masked tokens other than the generated ids: {stats['splice_differs']} "
-          f"({stats['splice_differs'] / n:.1%}); ids refused (text tokenised): {stats['refused']}")
+    print(
+        f"after the splice: masked tokens other than the generated ids: {stats['splice_differs']} "
+        f"({stats['splice_differs'] / n:.1%}); ids refused (text tokenised): {stats['refused']}"
+    )
     if stats["skipped"]:
         print(f"answers in conversations the template rejects (not checked after the splice): {stats['skipped']}")
     for cid, k, generated, again in stats["examples"][: args.examples]:

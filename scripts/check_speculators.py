@@ -45,16 +45,18 @@ def reference(args: argparse.Namespace) -> int:
     out: dict[str, torch.Tensor] = {}
     positions = 0
     for i, p in enumerate(prompts):
-        text = tok.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": p.turns[0]}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, : args.max_tokens]  # [1, T]
         with torch.no_grad():
             states = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
             feats = torch.stack([states[k] for k in aux], dim=2)[:, :-1]  # [1, T-1, 3, Ht]
             step_ids = ids[:, 1:]  # [1, T-1]
             pos = torch.arange(1, ids.shape[1]).unsqueeze(0)  # [1, T-1]
-            outs = ttt_forward(head, step_ids, head.project_features(feats), torch.ones_like(step_ids), steps=2,
-                               position_ids=pos)  # two [1, T-1, H]: steps 0 and 1
+            outs = ttt_forward(
+                head, step_ids, head.project_features(feats), torch.ones_like(step_ids), steps=2, position_ids=pos
+            )  # two [1, T-1, H]: steps 0 and 1
             logits, logits1 = (head.logits(h) for h in outs)  # [1, T-1, V_draft] each
         out[f"{i}.features"] = feats.flatten(2).float().contiguous()
         out[f"{i}.input_ids"] = step_ids.contiguous()
@@ -80,8 +82,10 @@ def compare(args: argparse.Namespace) -> int:
     # The attention maths is the same; only the kernel differs.
     config.transformer_layer_config._attn_implementation = "eager"
     model = SpeculatorModel.from_pretrained(args.export, config=config, dtype=torch.float32).eval()
-    print(f"speculators {version('speculators')}: {type(model).__name__} loaded from {args.export} in "
-          f"{time.time() - t0:.1f}s (verifier {model.config.speculators_config.verifier.name_or_path})")
+    print(
+        f"speculators {version('speculators')}: {type(model).__name__} loaded from {args.export} in "
+        f"{time.time() - t0:.1f}s (verifier {model.config.speculators_config.verifier.name_or_path})"
+    )
     embed = model.embed_tokens.weight
     problems = []
     if bool(embed.isnan().any()) or not bool(embed.abs().amax() > 0):
@@ -96,31 +100,41 @@ def compare(args: argparse.Namespace) -> int:
         for i in range(n):
             captured.clear()
             ids = ref[f"{i}.input_ids"]
-            drafts = model(hidden_states=ref[f"{i}.features"], input_ids=ids, document_ids=torch.zeros_like(ids),
-                           position_ids=ref[f"{i}.position_ids"], ttt_steps=steps)
+            drafts = model(
+                hidden_states=ref[f"{i}.features"],
+                input_ids=ids,
+                document_ids=torch.zeros_like(ids),
+                position_ids=ref[f"{i}.position_ids"],
+                ttt_steps=steps,
+            )
             for step in range(steps):
                 theirs = captured[step].float()  # [1, T-1, V_draft]
                 ours = ref[f"{i}.logits" if step == 0 else f"{i}.logits{step}"]
                 if not torch.equal(drafts[step], theirs.argmax(-1)):
-                    problems.append(f"prompt {i} step {step}: the returned draft tokens are not the argmax of "
-                                    "lm_head's output")
+                    problems.append(
+                        f"prompt {i} step {step}: the returned draft tokens are not the argmax of lm_head's output"
+                    )
                 agree[step] += int((theirs.argmax(-1) == ours.argmax(-1)).sum())
                 max_diff[step] = max(max_diff[step], float((theirs - ours).abs().max()))
             total += ids.numel()
     hook.remove()
     fracs = [a / max(total, 1) for a in agree]
     for step in range(steps):
-        print(f"speculators vs eagle step-{step} logits: top-1 agreement {agree[step]}/{total} = {fracs[step]:.4f}, "
-              f"max |logit diff| {max_diff[step]:.4f} ({n} prompts)")
+        print(
+            f"speculators vs eagle step-{step} logits: top-1 agreement {agree[step]}/{total} = {fracs[step]:.4f}, "
+            f"max |logit diff| {max_diff[step]:.4f} ({n} prompts)"
+        )
         if fracs[step] < args.min_agreement:
             problems.append(f"step-{step} top-1 agreement {fracs[step]:.4f} < {args.min_agreement}")
     frac, max_diff = min(fracs), max(max_diff)
     if problems:
         print("FAIL: speculators check: " + "; ".join(problems))
         return 1
-    print(f"PASS: speculators check: SpeculatorModel.from_pretrained loads the export and agrees with eagle on "
-          f"{frac:.2%} of top-1 tokens at unroll step{'s 0 and 1' if steps == 2 else ' 0'} ({total} positions, "
-          f"max |logit diff| {max_diff:.4f})")
+    print(
+        f"PASS: speculators check: SpeculatorModel.from_pretrained loads the export and agrees with eagle on "
+        f"{frac:.2%} of top-1 tokens at unroll step{'s 0 and 1' if steps == 2 else ' 0'} ({total} positions, "
+        f"max |logit diff| {max_diff:.4f})"
+    )
     return 0
 
 

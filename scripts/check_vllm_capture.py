@@ -53,8 +53,10 @@ def prepare(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         for r in picked:
             f.write(json.dumps(r) + "\n")
-    print(f"prepare: {len(picked)} held-out ShareGPT conversations (data.heldout_fraction={split.heldout_fraction}, "
-          f"data.split_seed={split.split_seed}) -> {args.out}")
+    print(
+        f"prepare: {len(picked)} held-out ShareGPT conversations (data.heldout_fraction={split.heldout_fraction}, "
+        f"data.split_seed={split.split_seed}) -> {args.out}"
+    )
     return 0 if len(picked) == args.n else 1
 
 
@@ -67,7 +69,17 @@ def compare(args: argparse.Namespace) -> int:
     hf_dir, vllm_dir = Path(args.hf), Path(args.vllm)
     mh, mv = read_manifest(hf_dir), read_manifest(vllm_dir)
     problems = []
-    for key in ("target", "data", "algorithm", "aux_layer_ids", "features", "dtype", "shard_size", "splits", "complete"):
+    for key in (
+        "target",
+        "data",
+        "algorithm",
+        "aux_layer_ids",
+        "features",
+        "dtype",
+        "shard_size",
+        "splits",
+        "complete",
+    ):
         if mh.get(key) != mv.get(key):
             problems.append(f"manifest {key} differs: hf {mh.get(key)!r} vs vllm {mv.get(key)!r}")
     if (mh.get("backend"), mv.get("backend")) != ("hf", "vllm"):
@@ -97,8 +109,10 @@ def compare(args: argparse.Namespace) -> int:
             for name, (u, v) in zip(names, pairs, strict=True):
                 refs[name].append(u.float())
                 diffs[name].append((u.float() - v.float()).abs())
-    print(f"{tokens} tokens compared; storage capture.dtype={mh['dtype']}, tolerance per element "
-          f"{eps:.2e} x (|hf| + rms of the feature)")
+    print(
+        f"{tokens} tokens compared; storage capture.dtype={mh['dtype']}, tolerance per element "
+        f"{eps:.2e} x (|hf| + rms of the feature)"
+    )
     print("| feature | max abs diff | max abs hf value | rms | worst diff / tolerance |")
     print("|---|---:|---:|---:|---:|")
     for name in names:
@@ -117,16 +131,20 @@ def compare(args: argparse.Namespace) -> int:
         print(f"throughput hf (our .venv, transformers): {th[0]} tokens in {th[1]:.1f} s = {th[0] / th[1]:.1f} tok/s")
     if tv and start:
         up = float(start.group(2))
-        print(f"throughput vllm {start.group(1)} ({start.group(3)}, {start.group(4)}): {tv[0]} tokens in "
-              f"{tv[1] - up:.1f} s = {tv[0] / max(1e-9, tv[1] - up):.1f} tok/s after an engine start-up of {up:.1f} s "
-              f"({tv[0] / tv[1]:.1f} tok/s with it)")
+        print(
+            f"throughput vllm {start.group(1)} ({start.group(3)}, {start.group(4)}): {tv[0]} tokens in "
+            f"{tv[1] - up:.1f} s = {tv[0] / max(1e-9, tv[1] - up):.1f} tok/s after an engine start-up of {up:.1f} s "
+            f"({tv[0] / tv[1]:.1f} tok/s with it)"
+        )
     if not th or not tv or not start:
         problems.append("could not read both throughputs from the capture logs")
     if problems:
         print("FAIL: vLLM capture check: " + "; ".join(problems))
         return 1
-    print(f"PASS: vLLM capture check: capture.backend=vllm wrote the hf backend's capture ({tokens} tokens, same ids, "
-          f"tokens, loss masks and manifest) with every feature within the {mh['dtype']} tolerance")
+    print(
+        f"PASS: vLLM capture check: capture.backend=vllm wrote the hf backend's capture ({tokens} tokens, same ids, "
+        f"tokens, loss masks and manifest) with every feature within the {mh['dtype']} tolerance"
+    )
     return 0
 
 

@@ -43,8 +43,11 @@ def check(name: str, fn) -> object:
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mp = "bf16" if device == "cuda" else "no"
-    print(f"torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""), flush=True)
+    print(
+        f"torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""),
+        flush=True,
+    )
     root = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     target = save_model("llama", root / "target")
     convs = write_conversations(root / "convs.jsonl")
@@ -57,13 +60,20 @@ def main() -> None:
     check("offline training, bf16", lambda: train(compose(base + train_overrides(off, capture, 6, **extra))))
     on = root / "online"
     r1 = check("online training, bf16", lambda: train(compose(base + train_overrides(on, None, 4, **extra))))
-    r2 = check("online resume with a raised max_steps",
-               lambda: train(compose(base + train_overrides(on, None, 8, **extra))))
+    r2 = check(
+        "online resume with a raised max_steps", lambda: train(compose(base + train_overrides(on, None, 8, **extra)))
+    )
     assert r1.step == 4 and r2.step == 8, (r1.step, r2.step)
     budget = root / "budget"
-    r3 = check("online training over a 12 s budget (schedule_over=minutes)",
-               lambda: train(compose(base + train_overrides(budget, None, 10**8, train__max_minutes=0.2,
-                                                            train__schedule_over="minutes", **extra))))
+    r3 = check(
+        "online training over a 12 s budget (schedule_over=minutes)",
+        lambda: train(
+            compose(
+                base
+                + train_overrides(budget, None, 10**8, train__max_minutes=0.2, train__schedule_over="minutes", **extra)
+            )
+        ),
+    )
     assert r3.stopped == "max_minutes" and r3.step > 0, (r3.stopped, r3.step)
     cfg = check("best head loads", lambda: read_head_config(r2.best_dir))
     assert cfg.fc_norm and cfg.norm_output, cfg

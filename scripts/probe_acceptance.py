@@ -60,7 +60,8 @@ def _metrics(algo: Any, head: Any, lm_head: Any, settings: Any, batches: list[di
     host = sums.host()  # one read-back for the summary and the token count
     summary = host.summary([1.0] * settings.steps, {})
     return {k: v for k, v in summary.items() if k.startswith(("acc_", "tau_sim"))} | {
-        "tokens": float(host.step_tokens[0]) if host.step_tokens else 0.0}
+        "tokens": float(host.step_tokens[0]) if host.step_tokens else 0.0
+    }
 
 
 def _stored(split: Any, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
@@ -68,30 +69,45 @@ def _stored(split: Any, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     step = max(len(split) // max(n, 1), 1)  # evenly spaced items: the split's order groups by shard
     for i in range(0, min(n * step, len(split)), step):
         batch = collate([split[i]])
-        out.append({k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                    for k, v in batch.items()})
+        out.append(
+            {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in batch.items()}
+        )
     return out
 
 
 @torch.no_grad()
-def _generated(model: Any, head: Any, prompts: list[list[int]], new_tokens: int, eos: list[int]) -> tuple[list[dict[str, Any]], float]:
+def _generated(
+    model: Any, head: Any, prompts: list[list[int]], new_tokens: int, eos: list[int]
+) -> tuple[list[dict[str, Any]], float]:
     """Greedy answers to `prompts` (token ids), featurised as one capture forward each; and coverage."""
     batches, covered, total = [], 0, 0
     t2d = getattr(head, "t2d", None)  # [V] bool; a full-vocabulary head has none
     in_vocab = t2d.bool() if t2d is not None else torch.ones(head.config.vocab_size, dtype=torch.bool)
     for ids in prompts:
         x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+        )
         seq = out[:, : x.shape[1] + new_tokens]  # [1, T]
         mask = torch.zeros_like(seq, dtype=torch.bool)
-        mask[:, x.shape[1]:] = True
+        mask[:, x.shape[1] :] = True
         feats = extract_features(model, seq, torch.ones_like(seq), list(head.config.aux_layer_ids) or None)
-        answer = seq[0, x.shape[1]:]
+        answer = seq[0, x.shape[1] :]
         covered += int(in_vocab[answer].sum())
         total += int(answer.numel())
-        batches.append({"input_ids": seq, "loss_mask": mask, "attention_mask": torch.ones_like(mask),
-                        **{k: v.clone() for k, v in feats.items()}})
+        batches.append(
+            {
+                "input_ids": seq,
+                "loss_mask": mask,
+                "attention_mask": torch.ones_like(mask),
+                **{k: v.clone() for k, v in feats.items()},
+            }
+        )
     return batches, covered / max(total, 1)
 
 
@@ -114,8 +130,10 @@ def _fresh_prompts(cfg: Any, tokenizer: Any, exclude: set[str], n: int, max_prom
 
 def _eval_prompts(name: str, tokenizer: Any, n: int) -> list[list[int]]:
     # encode_chat: the prompt ids eagle-eval decodes from
-    return [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist()
-            for p in load_eval_prompts(name)[:n]]
+    return [
+        encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])[0].tolist()
+        for p in load_eval_prompts(name)[:n]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--sets", default="train,heldout,fresh,mt_bench,humaneval")
     p.add_argument("--steps", type=int, default=None, help="unroll steps (default: the run's train.ttt_steps)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="fresh: longest prompt kept (the reference regeneration's)")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="fresh: longest prompt kept (the reference regeneration's)"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -164,11 +184,24 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = row
         accs = " / ".join(f"{row[f'acc_{i}']:.3f}" for i in range(settings.steps))
         cov = f", draft-vocab coverage {coverage:.3f}" if coverage is not None else ""
-        print(f"{name:10s} {len(batches):3d} items, {int(row['tokens'])} tokens: tau_sim {row['tau_sim']:.2f}, "
-              f"acc@0.. {accs}{cov} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"{name:10s} {len(batches):3d} items, {int(row['tokens'])} tokens: tau_sim {row['tau_sim']:.2f}, "
+            f"acc@0.. {accs}{cov} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"draft": args.draft, "capture": args.capture, "n": args.n,
-                                               "new_tokens": args.new_tokens, "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "draft": args.draft,
+                    "capture": args.capture,
+                    "n": args.n,
+                    "new_tokens": args.new_tokens,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

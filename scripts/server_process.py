@@ -48,9 +48,15 @@ class Server:
         tail) if it exits or does not answer within `timeout`."""
         t0 = time.perf_counter()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:

@@ -34,8 +34,9 @@ def pytest_collection_modifyitems(config, items):
     # Files with long tests (marked slow or smollm2) first, each file's tests kept together and in
     # order: under `-n auto --dist loadfile` the long files start at once and the short ones fill the
     # workers' gaps, instead of one long file running alone at the end.
-    long_tests = Counter(item.module.__name__ for item in items
-                         if "slow" in item.keywords or "smollm2" in item.keywords)
+    long_tests = Counter(
+        item.module.__name__ for item in items if "slow" in item.keywords or "smollm2" in item.keywords
+    )
     items.sort(key=lambda item: -long_tests[item.module.__name__])  # stable: each file stays in order
     if has_asset("smollm2-135m-instruct"):
         return

@@ -29,8 +29,6 @@ from tests.support.decode import random_head
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-
-
 def chi2_ok(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09) -> tuple[bool, float, float]:
     """Pearson chi-square goodness of fit at alpha ~ 1e-3 (Wilson-Hilferty critical value).
 
@@ -150,8 +148,12 @@ def test_lazy_walk_has_the_law_of_draws_at_every_node():
     paths = retrieval_paths(torch.tensor(parents))
     lazy, eager = torch.zeros(len(outcomes)), torch.zeros(len(outcomes))
     for _ in range(4000):
-        lazy[index[tuple(walk_tree(torch.tensor(tokens), torch.tensor(parents), logits, 1.0, generator=gen).tokens)]] += 1
-        eager[index[tuple(accept_tree(torch.tensor(tokens), paths, target_choices(logits, 1.0, generator=gen)).tokens)]] += 1
+        lazy[
+            index[tuple(walk_tree(torch.tensor(tokens), torch.tensor(parents), logits, 1.0, generator=gen).tokens)]
+        ] += 1
+        eager[
+            index[tuple(accept_tree(torch.tensor(tokens), paths, target_choices(logits, 1.0, generator=gen)).tokens)]
+        ] += 1
     for counts in (lazy, eager):
         ok, stat, crit = chi2_ok(counts, exact)
         assert ok, (stat, crit)
@@ -200,13 +202,30 @@ def _vocab8_target(family: str = "llama"):
     """An 8-token target (Llama, or a hybrid Qwen3.5 with one linear-attention and one full layer)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
-    common = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=None,
-                  bos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if family == "qwen3_5":
-        cfg = Qwen3_5TextConfig(**common, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-                                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
-                                layer_types=["linear_attention", "full_attention"])
+        cfg = Qwen3_5TextConfig(
+            **common,
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            layer_types=["linear_attention", "full_attention"],
+        )
     else:
         cfg = LlamaConfig(**common)
     torch.manual_seed(3)
@@ -217,8 +236,14 @@ def _vocab8_target(family: str = "llama"):
     return model.eval()
 
 
-def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), head_options: dict | None = None,
-                       family: str = "llama", min_accepted: float = 1 / 8, **decode_kw) -> None:
+def _sampled_law_check(
+    samples: int,
+    prompt: tuple[int, int, int] = (1, 5, 2),
+    head_options: dict | None = None,
+    family: str = "llama",
+    min_accepted: float = 1 / 8,
+    **decode_kw,
+) -> None:
     """Tokens 2 and 3 of speculative sampling follow the target's exact law (token 1 is marginalised).
 
     Token 1 comes from the prefill; tokens 2-3 come from the first verify pass (an accepted draft plus
@@ -230,8 +255,22 @@ def _sampled_law_check(samples: int, prompt: tuple[int, int, int] = (1, 5, 2), h
     tok = SimpleNamespace(eos_token_id=None)
     prompt = list(prompt)
     t, k, tp = 0.9, 6, 0.95
-    cfg = DecodeConfig(**{**dict(tree="dynamic", tree_top_k=3, tree_depth=2, tree_total_tokens=5, max_new_tokens=3,
-                                 temperature=t, top_k=k, top_p=tp, seed=0), **decode_kw})
+    cfg = DecodeConfig(
+        **{
+            **dict(
+                tree="dynamic",
+                tree_top_k=3,
+                tree_depth=2,
+                tree_total_tokens=5,
+                max_new_tokens=3,
+                temperature=t,
+                top_k=k,
+                top_p=tp,
+                seed=0,
+            ),
+            **decode_kw,
+        }
+    )
     grid = torch.cartesian_prod(torch.arange(8), torch.arange(8))  # [64, 2] (t1, t2)
     seqs = torch.cat([torch.tensor(prompt).expand(64, 3), grid], dim=1)  # [64, 5]
     with torch.no_grad():
@@ -263,8 +302,15 @@ def test_sampled_decoding_follows_target_distribution(lookup):
     # With lookup the head drafts one node, so that the chain often adds nodes of its own, and the prompt
     # is one whose lookup proposals this target often takes (~0.8 accepted lookup nodes per run).
     if lookup:
-        _sampled_law_check(400, prompt=(5, 7, 4), lookup_tokens=lookup, lookup_min_ngram=1, tree_top_k=1,
-                           tree_depth=1, tree_total_tokens=1)
+        _sampled_law_check(
+            400,
+            prompt=(5, 7, 4),
+            lookup_tokens=lookup,
+            lookup_min_ngram=1,
+            tree_top_k=1,
+            tree_depth=1,
+            tree_total_tokens=1,
+        )
     else:
         _sampled_law_check(400)
 

@@ -63,7 +63,9 @@ def test_loss_settings_and_summary_weights_agree(name):
     settings = algo.loss_settings(DraftConfig(algorithm=name, feature_noise_std=0.3), train, pad_id=0, training=True)
     evaluation = algo.loss_settings(DraftConfig(algorithm=name, feature_noise_std=0.3), train, pad_id=0, training=False)
     # Held-out numbers: every depth (a block drafter: every block position), no noise.
-    head_cfg = head_config_from_target(make_model("llama")[0].config, DraftConfig(algorithm=name, draft_vocab_size=None))
+    head_cfg = head_config_from_target(
+        make_model("llama")[0].config, DraftConfig(algorithm=name, draft_vocab_size=None)
+    )
     depth = algo.block_drafts(head_cfg) if algo.head_class.drafts_block else 4
     assert evaluation.steps == depth and evaluation.noise_std == 0.0
     weights, extra = algo.summary_weights(train, evaluation.steps)

@@ -31,12 +31,16 @@ from tests.test_accept import _vocab8_target, chi2_ok
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-RULES = [AcceptanceRule("exact"), AcceptanceRule("typical"), AcceptanceRule("typical", 0.2, 0.8),
-         AcceptanceRule("lenient"), AcceptanceRule("lenient", lenient_top_k=4, lenient_margin=3.0)]
+RULES = [
+    AcceptanceRule("exact"),
+    AcceptanceRule("typical"),
+    AcceptanceRule("typical", 0.2, 0.8),
+    AcceptanceRule("lenient"),
+    AcceptanceRule("lenient", lenient_top_k=4, lenient_margin=3.0),
+]
 
 
-def _case(seed: int, n: int = 6, v: int = 12, k: int = 4, temperature: float = 1.0, top_k: int = 0,
-          top_p: float = 1.0):
+def _case(seed: int, n: int = 6, v: int = 12, k: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """Random logits [N, V], their processed law, and K distinct children per row in a random order
     (-1 padded at random)."""
     g = torch.Generator().manual_seed(seed)
@@ -65,8 +69,12 @@ def test_exact_rule_emits_the_target_law():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from(RULES), st.sampled_from([0.0, 0.6, 1.0, 1.5]),
-       st.sampled_from([(0, 1.0), (5, 1.0), (0, 0.8)]))
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from(RULES),
+    st.sampled_from([0.0, 0.6, 1.0, 1.5]),
+    st.sampled_from([(0, 1.0), (5, 1.0), (0, 0.8)]),
+)
 # Found by Hypothesis: this float32 softmax sums to 1 - 2.4e-7, and the law must still sum to 1 in float64.
 @example(seed=1351, rule=AcceptanceRule("exact"), temperature=0.6, truncation=(0, 1.0))
 def test_vectorised_rule_and_law_match_the_references(seed, rule, temperature, truncation):
@@ -79,15 +87,16 @@ def test_vectorised_rule_and_law_match_the_references(seed, rule, temperature, t
         assert ok[i].tolist() == ref_ok
         kids = [c for c in children[i].tolist() if c >= 0]
         # The walk's per-node fast path (drafted tokens only; no law built at T = 0) agrees with the mask.
-        among = accepted_among(rule, logits[i], None if temperature <= 0 else p[i], temperature,
-                                torch.tensor(kids, dtype=torch.long))
+        among = accepted_among(
+            rule, logits[i], None if temperature <= 0 else p[i], temperature, torch.tensor(kids, dtype=torch.long)
+        )
         assert among.tolist() == [ref_ok[c] for c in kids]
         ref_q = torch.tensor(emitted_law_reference(p[i].double().tolist(), kids, ref_ok), dtype=torch.float64)
         torch.testing.assert_close(q[i], ref_q, atol=1e-12, rtol=0)
         # The walk's closed-form shift equals TV / KL computed from the whole law.
         passing = [j for j, c in enumerate(kids) if ref_ok[c]]
         tv, kl = node_shift([float(p[i, c]) for c in kids], passing[0] if passing else None)
-        full_tv, full_kl = shift(p[i:i + 1], q[i:i + 1])
+        full_tv, full_kl = shift(p[i : i + 1], q[i : i + 1])
         # (float32 p sums to 1 within ~1e-7: the closed form's 1 - p(C) and the law's p(not C) differ by that)
         assert tv == pytest.approx(float(full_tv), abs=1e-6)
         assert kl == pytest.approx(float(full_kl), abs=1e-6) or (kl == float("inf") == float(full_kl))
@@ -114,7 +123,9 @@ def test_lenient_rule_by_hand():
     wide = AcceptanceRule("lenient", lenient_top_k=3, lenient_margin=0.55)
     assert accepted_tokens(wide, logits, p, 0.0).tolist() == [[True, True, False, False]]  # 0.6 below: out
     # Sampling with top-k = 1: the runner-up is outside the target's support and never accepted.
-    assert accepted_tokens(rule, logits, process_logits(logits, 1.0, top_k=1), 1.0).tolist() == [[True, False, False, False]]
+    assert accepted_tokens(rule, logits, process_logits(logits, 1.0, top_k=1), 1.0).tolist() == [
+        [True, False, False, False]
+    ]
 
 
 def test_the_shift_is_the_missed_mass():
@@ -173,7 +184,9 @@ def test_a_rule_that_never_fires_walks_exactly_as_exact(seed, temperature):
         tokens.append(next(t for t in range(v) if t != int(top[parents[c]]) and t not in siblings))
     rule = AcceptanceRule("lenient", lenient_top_k=1, lenient_margin=0.0)
     a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    approx, stats = walk_tree_approx(torch.tensor(tokens), torch.tensor(parents), logits, rule, temperature, generator=a)
+    approx, stats = walk_tree_approx(
+        torch.tensor(tokens), torch.tensor(parents), logits, rule, temperature, generator=a
+    )
     exact = walk_tree(torch.tensor(tokens), torch.tensor(parents), logits, temperature, generator=b)
     assert approx.tokens == exact.tokens and approx.nodes.tolist() == exact.nodes.tolist()
     assert stats.tv == 0.0 and stats.kl == 0.0 and stats.positions == len(exact.tokens)
@@ -196,8 +209,17 @@ def test_approximate_walk_accepts_where_exact_stops():
 
 def _generate(acceptance: str, temperature: float, **kw):
     model = _vocab8_target()
-    cfg = DecodeConfig(tree="dynamic", tree_top_k=3, tree_depth=2, tree_total_tokens=5, max_new_tokens=24,
-                       temperature=temperature, seed=0, acceptance=acceptance, **kw)
+    cfg = DecodeConfig(
+        tree="dynamic",
+        tree_top_k=3,
+        tree_depth=2,
+        tree_total_tokens=5,
+        max_new_tokens=24,
+        temperature=temperature,
+        seed=0,
+        acceptance=acceptance,
+        **kw,
+    )
     gen = SpeculativeGenerator(model, random_head(model, "eagle1", seed=0), SimpleNamespace(eos_token_id=None), cfg)
     return gen.generate([1, 5, 2])
 
@@ -212,7 +234,9 @@ def test_decoder_exact_has_no_shift_and_typical_is_exact_at_temperature_0():
 def test_decoder_lenient_accepts_more_and_measures_its_shift():
     exact = _generate("exact", 0.0)
     lenient = _generate("lenient", 0.0, lenient_top_k=8, lenient_margin=100.0)  # any drafted child passes
-    assert sum(lenient.accept_lengths) / len(lenient.accept_lengths) > sum(exact.accept_lengths) / len(exact.accept_lengths)
+    assert sum(lenient.accept_lengths) / len(lenient.accept_lengths) > sum(exact.accept_lengths) / len(
+        exact.accept_lengths
+    )
     assert lenient.shift.tv > 0 and lenient.shift.kl_infinite > 0  # greedy: any change is a different token
     sampled = _generate("typical", 1.0)
     assert sampled.shift.positions > 0 and sampled.shift.kl_infinite == 0  # typical only emits tokens p can emit
@@ -227,16 +251,19 @@ def test_defaults_are_exact():
     assert cfg.eval.divergence_check is None
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["decode.acceptance=loose"], "decode.acceptance"),
-    (["decode.typical_epsilon=0"], "decode.typical_epsilon"),
-    (["decode.typical_epsilon=1.0"], "decode.typical_epsilon"),
-    (["decode.typical_delta=1.5"], "decode.typical_delta"),
-    (["decode.lenient_top_k=0"], "decode.lenient_top_k"),
-    (["decode.lenient_margin=-0.5"], "decode.lenient_margin"),
-    (["decode.acceptance=typical", "eval.divergence_check=true"], "eval.divergence_check"),
-    (["decode.acceptance=lenient", "decode.temperature=1", "decode.draft_choice=sample"], "decode.draft_choice"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["decode.acceptance=loose"], "decode.acceptance"),
+        (["decode.typical_epsilon=0"], "decode.typical_epsilon"),
+        (["decode.typical_epsilon=1.0"], "decode.typical_epsilon"),
+        (["decode.typical_delta=1.5"], "decode.typical_delta"),
+        (["decode.lenient_top_k=0"], "decode.lenient_top_k"),
+        (["decode.lenient_margin=-0.5"], "decode.lenient_margin"),
+        (["decode.acceptance=typical", "eval.divergence_check=true"], "eval.divergence_check"),
+        (["decode.acceptance=lenient", "decode.temperature=1", "decode.draft_choice=sample"], "decode.draft_choice"),
+    ],
+)
 def test_bad_settings_are_refused_at_start_naming_the_setting(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose(overrides)
@@ -252,7 +279,11 @@ def test_approximate_rules_draft_top_k_trees_and_exact_may_check_divergence():
 
 def test_labels():
     assert acceptance_label(None) == "" and acceptance_label("exact") == ""
-    assert acceptance_label(AcceptanceRule("typical").settings()) == \
-        "APPROXIMATE acceptance: typical (epsilon=0.09, delta=0.3), not lossless"
-    assert acceptance_label(AcceptanceRule("lenient").settings()) == \
-        "APPROXIMATE acceptance: lenient (top_k=2, margin=1.0), not lossless"
+    assert (
+        acceptance_label(AcceptanceRule("typical").settings())
+        == "APPROXIMATE acceptance: typical (epsilon=0.09, delta=0.3), not lossless"
+    )
+    assert (
+        acceptance_label(AcceptanceRule("lenient").settings())
+        == "APPROXIMATE acceptance: lenient (top_k=2, margin=1.0), not lossless"
+    )

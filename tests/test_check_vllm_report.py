@@ -13,8 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _phase(tok_s: float, outputs: dict[str, list[int]], drafts: int = 0, per_pos: list[int] | None = None) -> dict:
     per_pos = per_pos or []
-    return {"wall_s": 1.0, "new_tokens": int(tok_s), "tokens_per_s": tok_s, "outputs": outputs, "drafts": drafts,
-            "draft_tokens": drafts * len(per_pos), "accepted": sum(per_pos), "accepted_per_pos": per_pos}
+    return {
+        "wall_s": 1.0,
+        "new_tokens": int(tok_s),
+        "tokens_per_s": tok_s,
+        "outputs": outputs,
+        "drafts": drafts,
+        "draft_tokens": drafts * len(per_pos),
+        "accepted": sum(per_pos),
+        "accepted_per_pos": per_pos,
+    }
 
 
 def _write(tmp: Path, name: str, obj: dict) -> str:
@@ -24,20 +32,53 @@ def _write(tmp: Path, name: str, obj: dict) -> str:
 
 
 def _report(tmp: Path, specs: list[dict], base_outputs: dict[str, list[int]]) -> subprocess.CompletedProcess:
-    prepared = _write(tmp, "prepared.json", {"target": "t", "head": "h", "aux_layer_ids": [2, 15, 27],
-                                             "prompts": [{"id": p} for p in base_outputs]})
-    base = _write(tmp, "base.json", {"mode": "base", "vllm": "0.32.0", "startup_s": 10.0, "k": 0,
-                                     "max_new_tokens": 4, "speculative_config": None,
-                                     "phases": {"1": _phase(10.0, base_outputs), "4": _phase(30.0, base_outputs)}})
+    prepared = _write(
+        tmp,
+        "prepared.json",
+        {"target": "t", "head": "h", "aux_layer_ids": [2, 15, 27], "prompts": [{"id": p} for p in base_outputs]},
+    )
+    base = _write(
+        tmp,
+        "base.json",
+        {
+            "mode": "base",
+            "vllm": "0.32.0",
+            "startup_s": 10.0,
+            "k": 0,
+            "max_new_tokens": 4,
+            "speculative_config": None,
+            "phases": {"1": _phase(10.0, base_outputs), "4": _phase(30.0, base_outputs)},
+        },
+    )
     files = [_write(tmp, f"spec-{i}.json", s) for i, s in enumerate(specs)]
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "check_vllm.py"), "report", "--prepared", prepared,
-                           "--base", base, "--spec", *files], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "check_vllm.py"),
+            "report",
+            "--prepared",
+            prepared,
+            "--base",
+            base,
+            "--spec",
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _spec(k: int, tok_s_b1: float, tok_s_b4: float, outputs: dict[str, list[int]], per_pos: list[int]) -> dict:
-    return {"mode": "spec", "vllm": "0.32.0", "startup_s": 12.0, "k": k, "max_new_tokens": 4,
-            "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": k},
-            "phases": {"1": _phase(tok_s_b1, outputs, 100, per_pos), "4": _phase(tok_s_b4, outputs, 100, per_pos)}}
+    return {
+        "mode": "spec",
+        "vllm": "0.32.0",
+        "startup_s": 12.0,
+        "k": k,
+        "max_new_tokens": 4,
+        "speculative_config": {"method": "eagle3", "model": "h", "num_speculative_tokens": k},
+        "phases": {"1": _phase(tok_s_b1, outputs, 100, per_pos), "4": _phase(tok_s_b4, outputs, 100, per_pos)},
+    }
 
 
 def test_report_rows_per_k_and_the_fastest_k_per_batch(tmp_path):

@@ -67,8 +67,13 @@ def test_slot_attention_equals_sdpa_per_row_over_a_stale_buffer():
     q = torch.randn(len(rows), h, q_len, d)
     k_new, v_new = torch.randn(len(rows), h_kv, q_len, d), torch.randn(len(rows), h_kv, q_len, d)
     positions = torch.tensor([[lengths[r] + i for i in range(q_len)] for r in rows])
-    batch = SlotBatch(kv=kv, rows=torch.tensor(rows), positions=positions,
-                      kv_len=max(lengths[r] for r in rows) + q_len, all_rows=False)
+    batch = SlotBatch(
+        kv=kv,
+        rows=torch.tensor(rows),
+        positions=positions,
+        kv_len=max(lengths[r] for r in rows) + q_len,
+        all_rows=False,
+    )
     out, _ = slot_attention(module, q, k_new, v_new, None, scaling=0.3, eagle_slots=batch)  # [R, Q, H, D]
     for i, r in enumerate(rows):
         keys = torch.cat([history_k[r], k_new[i]], 1).repeat_interleave(h // h_kv, 0)  # [H, n + Q, D]
@@ -82,9 +87,15 @@ def test_slot_attention_equals_sdpa_per_row_over_a_stale_buffer():
 
 
 def _hf_greedy(model, prompt: list[int], new: int, stops: list[int]) -> list[int]:
-    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=new, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
-    row = out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=stops[0],
+    )
+    row = out[0, len(prompt) :].tolist()
     return row[: next((k for k, t in enumerate(row) if t in stops), len(row))]
 
 

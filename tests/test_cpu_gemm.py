@@ -79,8 +79,9 @@ def test_speculative_greedy_through_the_transposed_kernel_equals_hf_generate(fam
     ref = hf_greedy(model, ids, 24)  # torch's kernel everywhere
     apply_cpu_gemm(model, "transposed")
     assert autoregressive_generate(model, tok, ids, decode_cfg(max_new_tokens=24)).tokens == ref
-    res = SpeculativeGenerator(model, random_head(model, "eagle3", draft_vocab_size=200), tok,
-                               decode_cfg(max_new_tokens=24)).generate(ids)
+    res = SpeculativeGenerator(
+        model, random_head(model, "eagle3", draft_vocab_size=200), tok, decode_cfg(max_new_tokens=24)
+    ).generate(ids)
     assert res.tokens == ref
 
 
@@ -89,7 +90,12 @@ def test_load_target_sets_the_kernel_for_decoding_and_regeneration_only(tiny_tar
     from eagle.target.loading import load_target
 
     cfg = TargetConfig(path=str(tiny_target_dir), dtype="float32", cpu_gemm="transposed")
-    for stage, kernel in (("decode", "transposed"), ("regenerate", "transposed"), ("capture", "stock"), ("train", "stock")):
+    for stage, kernel in (
+        ("decode", "transposed"),
+        ("regenerate", "transposed"),
+        ("capture", "stock"),
+        ("train", "stock"),
+    ):
         model, _, info = load_target(cfg, stage=stage)
         assert info.gemm == kernel, stage
         assert any(type(m) is SmallBatchLinear for m in model.modules()) == (kernel == "transposed"), stage

@@ -16,8 +16,13 @@ from tests.tiny_models import make_tokenizer
 
 
 def conv(i: int, user: str = "", answer: str = "") -> dict:
-    return {"id": f"c{i}", "conversations": [{"from": "human", "value": user or f"question {i}"},
-                                             {"from": "gpt", "value": answer or f"answer {i}"}]}
+    return {
+        "id": f"c{i}",
+        "conversations": [
+            {"from": "human", "value": user or f"question {i}"},
+            {"from": "gpt", "value": answer or f"answer {i}"},
+        ],
+    }
 
 
 def write(tmp_path, records, name="d.jsonl"):
@@ -43,8 +48,12 @@ def test_bundled_eval_prompts_and_dedup(tmp_path):
     he = load_eval_prompts("humaneval")
     assert len(mt) == 80 and all(len(p.turns) == 2 and p.category for p in mt) and mt[0].id == "81"
     assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].turns[0].startswith("from typing import List")
-    records = [conv(0), conv(1, user=mt[3].turns[1].upper()), conv(2, user="Complete this:\n" + he[5].turns[0]),
-               conv(3)]
+    records = [
+        conv(0),
+        conv(1, user=mt[3].turns[1].upper()),
+        conv(2, user="Complete this:\n" + he[5].turns[0]),
+        conv(3),
+    ]
     path = write(tmp_path, records)
     convs, stats = load_conversations(DataConfig(source="local", path=str(path)))
     assert [c.id for c in convs] == ["c0", "c3"] and stats.deduplicated == 2
@@ -73,8 +82,7 @@ def test_max_conversations_counts_usable_ones_and_duplicate_ids(tmp_path):
     bad = {"id": "b", "conversations": [{"from": "gpt", "value": "x"}]}
     records = [bad, conv(0), conv(0), bad, conv(1), conv(2), conv(3)]
     path = write(tmp_path, records)
-    convs, stats = load_conversations(DataConfig(source="local", path=str(path), max_conversations=3,
-                                                 dedup_against=[]))
+    convs, stats = load_conversations(DataConfig(source="local", path=str(path), max_conversations=3, dedup_against=[]))
     assert [c.id for c in convs] == ["c0", "c1", "c2"]
     assert stats.read == 6 and stats.skipped == {"starts_with_assistant": 2, "duplicate_id": 1}
 

@@ -25,13 +25,21 @@ def local(path, **kw) -> DataConfig:
 def test_normalise_both_formats_roles_and_system():
     c = normalise_record(SHAREGPT, index=0, source="f")
     assert (c.id, c.messages) == ("s1", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
-    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                        {"role": "assistant", "content": "x"}, {"role": "user", "content": "trailing"}],
-           "system": "sys"}
+    rec = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "trailing"},
+        ],
+        "system": "sys",
+    }
     c = normalise_record(rec, index=7, source="f", system_prompt="default")
     assert c.id == "7"  # no id field: the record index
-    assert c.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"},
-                          {"role": "assistant", "content": "x"}]  # trailing user turn dropped
+    assert c.messages == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "x"},
+    ]  # trailing user turn dropped
     c = normalise_record(OPENAI, index=0, source="f", system_prompt="default")
     assert c.messages[0] == {"role": "system", "content": "default"}
     roles = ["human", "chatgpt", "user", "bing", "USER", "bard"]
@@ -39,30 +47,53 @@ def test_normalise_both_formats_roles_and_system():
     assert [m["role"] for m in normalise_record(rec, index=0, source="f").messages] == ["user", "assistant"] * 3
 
 
-@pytest.mark.parametrize("record, match", [
-    ([1, 2], "expected an object"),
-    ({"id": "x", "text": "hi"}, "no 'conversations'"),
-    ({"id": "x", "conversations": "hi"}, "must be a list"),
-    ({"id": "x", "conversations": ["hi"]}, "turn 0: a turn must be an object"),
-    ({"id": "x", "conversations": [{"speaker": "human", "text": "hi"}]}, "turn 0: a turn needs"),
-    ({"id": "x", "conversations": [{"from": "narrator", "value": "hi"}]}, "unknown role 'narrator'"),
-    ({"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                                               "reasoning_content": 3}]},
-     "turn 1: field 'reasoning_content' must be a string"),
-    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}]},
-     "turn 0: field 'tool_calls' must be a list"),
-    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]},
-     r"turn 0, tool_calls\[0\]: a call needs a function name"),
-    ({"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{x"}]}]},
-     r"tool_calls\[0\]: 'arguments' is a string but not JSON"),
-    ({"id": "x", "messages": [{"role": "tool", "content": "r", "tool_call_id": 7}]},
-     "field 'tool_call_id' of a tool turn must be a string"),
-    ({"id": "x", "conversations": [{"from": "function_call", "value": "not json"}]},
-     "a 'function_call' turn's value must be a call's JSON"),
-    ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "content must be a string"),
-    ({"id": "x", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "not a text part"),
-    ({"id": "x", "messages": [], "system": 5}, "'system' must be a string"),
-])
+@pytest.mark.parametrize(
+    "record, match",
+    [
+        ([1, 2], "expected an object"),
+        ({"id": "x", "text": "hi"}, "no 'conversations'"),
+        ({"id": "x", "conversations": "hi"}, "must be a list"),
+        ({"id": "x", "conversations": ["hi"]}, "turn 0: a turn must be an object"),
+        ({"id": "x", "conversations": [{"speaker": "human", "text": "hi"}]}, "turn 0: a turn needs"),
+        ({"id": "x", "conversations": [{"from": "narrator", "value": "hi"}]}, "unknown role 'narrator'"),
+        (
+            {
+                "id": "x",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "reasoning_content": 3},
+                ],
+            },
+            "turn 1: field 'reasoning_content' must be a string",
+        ),
+        (
+            {"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": {"name": "f"}}]},
+            "turn 0: field 'tool_calls' must be a list",
+        ),
+        (
+            {"id": "x", "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]},
+            r"turn 0, tool_calls\[0\]: a call needs a function name",
+        ),
+        (
+            {
+                "id": "x",
+                "messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{x"}]}],
+            },
+            r"tool_calls\[0\]: 'arguments' is a string but not JSON",
+        ),
+        (
+            {"id": "x", "messages": [{"role": "tool", "content": "r", "tool_call_id": 7}]},
+            "field 'tool_call_id' of a tool turn must be a string",
+        ),
+        (
+            {"id": "x", "conversations": [{"from": "function_call", "value": "not json"}]},
+            "a 'function_call' turn's value must be a call's JSON",
+        ),
+        ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "content must be a string"),
+        ({"id": "x", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "not a text part"),
+        ({"id": "x", "messages": [], "system": 5}, "'system' must be a string"),
+    ],
+)
 def test_schema_errors_name_record_and_field(record, match):
     with pytest.raises(DataError, match=match) as e:
         normalise_record(record, index=3, source="file.jsonl")
@@ -70,31 +101,44 @@ def test_schema_errors_name_record_and_field(record, match):
 
 
 def test_openai_assistant_messages_keep_their_token_ids():
-    turns = [{"role": "user", "content": "2+2?", "token_ids": [9]},  # not a training target: ignored
-             {"role": "assistant", "content": "4", "token_ids": [19]},
-             {"role": "user", "content": "and 3+3?"},
-             {"role": "assistant", "content": "6", "token_ids": None}]  # Parquet/Arrow's "none" for a missing field
+    turns = [
+        {"role": "user", "content": "2+2?", "token_ids": [9]},  # not a training target: ignored
+        {"role": "assistant", "content": "4", "token_ids": [19]},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6", "token_ids": None},
+    ]  # Parquet/Arrow's "none" for a missing field
     c = normalise_record({"id": "o", "messages": turns}, index=0, source="f")
-    assert c.messages == [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "token_ids": [19]},
-                          {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "6"}]
+    assert c.messages == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "token_ids": [19]},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     # ShareGPT input is read as before: role and content only.
     rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo", "token_ids": "junk"}]}
     assert normalise_record(rec, index=0, source="f").messages[1] == {"role": "assistant", "content": "yo"}
 
 
-@pytest.mark.parametrize("token_ids, found", [
-    ("1 2 3", "found str '1 2 3'"),
-    ([], "found an empty list"),
-    ([1, 2.0], "found element 1 = '2.0' (float)"),
-    ([1, -2], "found element 1 = '-2' (int)"),
-    ([True], "found element 0 = 'True' (bool)"),
-    ({"ids": [1]}, "found dict"),
-])
+@pytest.mark.parametrize(
+    "token_ids, found",
+    [
+        ("1 2 3", "found str '1 2 3'"),
+        ([], "found an empty list"),
+        ([1, 2.0], "found element 1 = '2.0' (float)"),
+        ([1, -2], "found element 1 = '-2' (int)"),
+        ([True], "found element 0 = 'True' (bool)"),
+        ({"ids": [1]}, "found dict"),
+    ],
+)
 def test_bad_token_ids_are_refused_naming_file_record_turn_and_field(tmp_path, token_ids, found):
     path = tmp_path / "regen.jsonl"
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "token_ids": token_ids}]
-    path.write_text(json.dumps({"id": "ok", "messages": turns[:1] + [dict(turns[1], token_ids=[5])]}) + "\n"
-                    + json.dumps({"id": "x", "messages": turns}) + "\n")
+    path.write_text(
+        json.dumps({"id": "ok", "messages": turns[:1] + [dict(turns[1], token_ids=[5])]})
+        + "\n"
+        + json.dumps({"id": "x", "messages": turns})
+        + "\n"
+    )
     with pytest.raises(DataError) as e:
         load_conversations(local(path))
     message = str(e.value)
@@ -107,14 +151,17 @@ def test_forced_format_requires_its_field():
         normalise_record(SHAREGPT, index=0, source="f", fmt="openai")
 
 
-@pytest.mark.parametrize("turns, reason", [
-    ([], "empty_conversation"),
-    ([("human", "hi"), ("gpt", "  ")], "empty_turn"),
-    ([("gpt", "hi"), ("human", "x"), ("gpt", "y")], "starts_with_assistant"),
-    ([("human", "hi")], "no_assistant_turn"),
-    ([("human", "a"), ("human", "b"), ("gpt", "c")], "roles_not_alternating"),
-    ([("human", "a"), ("system", "b"), ("gpt", "c")], "misplaced_system"),
-])
+@pytest.mark.parametrize(
+    "turns, reason",
+    [
+        ([], "empty_conversation"),
+        ([("human", "hi"), ("gpt", "  ")], "empty_turn"),
+        ([("gpt", "hi"), ("human", "x"), ("gpt", "y")], "starts_with_assistant"),
+        ([("human", "hi")], "no_assistant_turn"),
+        ([("human", "a"), ("human", "b"), ("gpt", "c")], "roles_not_alternating"),
+        ([("human", "a"), ("system", "b"), ("gpt", "c")], "misplaced_system"),
+    ],
+)
 def test_unusable_content_is_a_counted_skip(turns, reason):
     rec = {"id": "x", "conversations": [{"from": r, "value": v} for r, v in turns]}
     with pytest.raises(SkipRecord) as e:
@@ -145,15 +192,18 @@ def test_malformed_local_files_fail_with_location(tmp_path):
     with pytest.raises(DataError, match="line 2 is not valid JSON"):
         load_conversations(local(bad_jsonl))
     bad_json = tmp_path / "x.json"
-    bad_json.write_text('[\n' + json.dumps(SHAREGPT) + ',\n{"id": oops}\n]')
+    bad_json.write_text("[\n" + json.dumps(SHAREGPT) + ',\n{"id": oops}\n]')
     with pytest.raises(DataError, match="record 1 at line 3"):
         load_conversations(local(bad_json))
     cut = tmp_path / "cut.json"
-    cut.write_text('[' + json.dumps(SHAREGPT) + ', {"id": "t", "conversations": [')
+    cut.write_text("[" + json.dumps(SHAREGPT) + ', {"id": "t", "conversations": [')
     with pytest.raises(DataError, match="malformed JSON"):  # only the bundled dump may be cut off
         load_conversations(local(cut))
-    for name, text, match in [("w.json", '{"rows": []}', "expected a JSON array"), ("z.txt", "", "unsupported"),
-                              ("q.parquet", "not parquet", "not a readable Parquet")]:
+    for name, text, match in [
+        ("w.json", '{"rows": []}', "expected a JSON array"),
+        ("z.txt", "", "unsupported"),
+        ("q.parquet", "not parquet", "not a readable Parquet"),
+    ]:
         (tmp_path / name).write_text(text)
         with pytest.raises(DataError, match=match):
             load_conversations(local(tmp_path / name))
@@ -203,35 +253,55 @@ def test_bundled_sharegpt_first_n_with_counted_skips():
 def test_reasoning_and_tool_calls_are_read_from_both_formats():
     from eagle.data.records import normalise_record
 
-    openai = {"id": "t", "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "18C", "tool_call_id": "c1"},
-        {"role": "assistant", "content": "It is 18C.", "reasoning": "Answer with the result."}]}
+    openai = {
+        "id": "t",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "I should call the tool.",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+                ],
+            },
+            {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "It is 18C.", "reasoning": "Answer with the result."},
+        ],
+    }
     conv = normalise_record(openai, index=0, source="f.jsonl")
     call, tool, answer = conv.messages[1], conv.messages[2], conv.messages[3]
-    assert call["tool_calls"] == [{"type": "function", "id": "c1",
-                                   "function": {"name": "weather", "arguments": {"city": "Paris"}}}]
-    assert call["reasoning_content"] == "I should call the tool." and tool == {"role": "tool", "content": "18C",
-                                                                               "tool_call_id": "c1"}
+    assert call["tool_calls"] == [
+        {"type": "function", "id": "c1", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    ]
+    assert call["reasoning_content"] == "I should call the tool." and tool == {
+        "role": "tool",
+        "content": "18C",
+        "tool_call_id": "c1",
+    }
     assert answer["reasoning_content"] == "Answer with the result."
-    sharegpt = {"id": "s", "conversations": [
-        {"from": "human", "value": "Weather in Paris?"},
-        {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
-        {"from": "observation", "value": "18C"},
-        {"from": "gpt", "value": "It is 18C."}]}
+    sharegpt = {
+        "id": "s",
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+            {"from": "observation", "value": "18C"},
+            {"from": "gpt", "value": "It is 18C."},
+        ],
+    }
     conv = normalise_record(sharegpt, index=1, source="f.jsonl")
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
     assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
 
 
-@pytest.mark.parametrize("messages, reason", [
-    ([("user", "q"), ("tool", "r"), ("assistant", "a")], "tool_result_without_call"),
-    ([("user", "q"), ("assistant", "a"), ("tool", "r")], "tool_result_without_call"),  # the answer called no tool
-    ([("user", "q"), ("assistant", "")], "empty_turn"),
-])
+@pytest.mark.parametrize(
+    "messages, reason",
+    [
+        ([("user", "q"), ("tool", "r"), ("assistant", "a")], "tool_result_without_call"),
+        ([("user", "q"), ("assistant", "a"), ("tool", "r")], "tool_result_without_call"),  # the answer called no tool
+        ([("user", "q"), ("assistant", "")], "empty_turn"),
+    ],
+)
 def test_tool_turns_follow_a_call(messages, reason):
     from eagle.data.records import SkipRecord, normalise_record
 

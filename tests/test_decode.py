@@ -21,13 +21,14 @@ PROMPTS = ["Write a short poem about the sea.", "def add(a, b):", "Explain relat
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
-
-
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_greedy_equals_target_greedy(tiny_target, tree):
     model, tok = tiny_target
-    heads = {"eagle1": random_head(model, "eagle1"), "eagle3": random_head(model, "eagle3", draft_vocab_size=200),
-             "eagle3.1": random_head(model, "eagle3", draft_vocab_size=200, fc_norm=True, norm_output=True)}
+    heads = {
+        "eagle1": random_head(model, "eagle1"),
+        "eagle3": random_head(model, "eagle3", draft_vocab_size=200),
+        "eagle3.1": random_head(model, "eagle3", draft_vocab_size=200, fc_norm=True, norm_output=True),
+    }
     for i, text in enumerate(PROMPTS[:2]):
         ids = prompt_ids(tok, text)
         n = 20 + 7 * i
@@ -50,8 +51,7 @@ def test_greedy_long_generation_crosses_sliding_window():
     model, tok = make_model("gemma3")
     ids = prompt_ids(tok, "Write a short poem about the sea. " * 3)  # ~50 tokens; window is 64
     ref = hf_greedy(model, ids, 60)
-    res = SpeculativeGenerator(model, OracleHead(ids + ref, len(tok)), tok,
-                               decode_cfg(max_new_tokens=60)).generate(ids)
+    res = SpeculativeGenerator(model, OracleHead(ids + ref, len(tok)), tok, decode_cfg(max_new_tokens=60)).generate(ids)
     assert res.tokens == ref
 
 
@@ -119,8 +119,9 @@ def test_stream_yields_what_generate_returns(stop_case):
 
 def test_auto_tree_is_lossless_and_chooses_a_candidate(stop_case):
     model, tok, ids, ref = stop_case
-    gen = _gen(model, tok, ids, ref, max_new_tokens=20, tree="auto", auto_candidates=[2, 4, 8],
-               tree_top_k=3, tree_depth=3)
+    gen = _gen(
+        model, tok, ids, ref, max_new_tokens=20, tree="auto", auto_candidates=[2, 4, 8], tree_top_k=3, tree_depth=3
+    )
     res = gen.generate(ids)
     assert res.tokens == ref[:20]
     assert set(gen.verify_times) == {2, 4, 8}
@@ -158,8 +159,9 @@ def test_smollm2_greedy_identity(smollm2):
     model, tok, _ = smollm2
     ids = prompt_ids(tok, "What is the capital of France?")
     ref = hf_greedy(model, ids, 24)
-    res = SpeculativeGenerator(model, random_head(model, "eagle3", draft_vocab_size=2000), tok,
-                               decode_cfg(max_new_tokens=24)).generate(ids)
+    res = SpeculativeGenerator(
+        model, random_head(model, "eagle3", draft_vocab_size=2000), tok, decode_cfg(max_new_tokens=24)
+    ).generate(ids)
     assert res.tokens == ref
 
 

@@ -102,7 +102,9 @@ def test_training_pass_equals_the_decoders_block_pass(qwen3):
     model, _ = qwen3
     head = _head(model)
     ids = torch.randint(0, model.config.vocab_size - 1, (1, 14), generator=torch.Generator().manual_seed(1))
-    feats = {k: v.clone() for k, v in extract_features(model, ids, torch.ones_like(ids), head.feature_layer_ids()).items()}
+    feats = {
+        k: v.clone() for k, v in extract_features(model, ids, torch.ones_like(ids), head.feature_layer_ids()).items()
+    }
     q = head.config.block_size
     anchors = torch.tensor([[9, 4, 1]])
     ctx = head.project_features(feats["aux_hidden"])
@@ -112,7 +114,7 @@ def test_training_pass_equals_the_decoders_block_pass(qwen3):
     trained = torch.log_softmax(head.logits(out.view(1, 3, q, -1)[:, :, 1:]).float(), -1)[0]  # [A, Q-1, V]
     for i, a in enumerate(anchors[0].tolist()):
         cache = head.new_draft_cache()
-        head.commit(cache, ids[0, 1:a + 1], feats["aux_hidden"][0, :a], torch.arange(a))
+        head.commit(cache, ids[0, 1 : a + 1], feats["aux_hidden"][0, :a], torch.arange(a))
         decoded = block_log_probs(head, cache, int(ids[0, a]), a)  # [Q-1, V]
         torch.testing.assert_close(decoded, trained[i], atol=2e-5, rtol=1e-5)
 
@@ -146,7 +148,7 @@ def test_loss_matches_a_per_anchor_reference(qwen3):
             if a < 0:
                 continue
             cache = head.new_draft_cache()
-            head.commit(cache, ids[b, 1:a + 1], feats["aux_hidden"][b, :a], torch.arange(a))
+            head.commit(cache, ids[b, 1 : a + 1], feats["aux_hidden"][b, :a], torch.arange(a))
             logq = block_log_probs(head, cache, int(ids[b, a]), a)  # [3, V]
             for j in range(1, 4):
                 if a + j >= t or not loss_mask[b, a + j]:
@@ -197,8 +199,9 @@ def test_dpace_weights_match_the_reference():
             ref = dpace_weights_reference(conf[b, a].tolist(), valid[b, a].tolist())
             torch.testing.assert_close(fast[b, a], torch.tensor(ref), atol=1e-6, rtol=1e-6)
     # By hand: confidences 1, 0 -> smoothed 1, .5 -> C = (1, .5) -> w = (1.5, .5).
-    torch.testing.assert_close(dpace_weights(torch.tensor([1.0, 0.0]), torch.tensor([True, True])),
-                               torch.tensor([1.5, 0.5]))
+    torch.testing.assert_close(
+        dpace_weights(torch.tensor([1.0, 0.0]), torch.tensor([True, True])), torch.tensor([1.5, 0.5])
+    )
 
 
 # --- lossless decoding -------------------------------------------------------------------------------
@@ -247,8 +250,9 @@ def test_long_accepted_runs_stay_identical(qwen3):
     oracle.attach_target(model)
     oracle.setup(ids + ref)
     for kw in ({"tree_top_k": 1}, {"tree_top_k": 2, "tree_total_tokens": 16}):
-        res = SpeculativeGenerator(model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40,
-                                                                 **kw)).generate(ids)
+        res = SpeculativeGenerator(
+            model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40, **kw)
+        ).generate(ids)
         assert res.tokens == ref, kw
         assert max(res.accept_lengths) >= 4 and 1 + sum(res.accept_lengths) == len(ref)  # + the prefill's token
         if kw["tree_top_k"] == 2:  # rank-1 drafts were accepted through the tree's second branches
@@ -266,8 +270,9 @@ def test_block_pool_keeps_the_best_paths():
 @pytest.mark.parametrize("choice", ["sample", "topk"])
 def test_sampled_decoding_follows_the_target_law(choice):
     """Tokens 2-3 of sampled decoding with a block drafter have the target's exact law (chi-square)."""
-    _sampled_law_check(400, head_options={"algorithm": "dflash", "block_size": 3, "aux_layer_ids": [0, 1, 1]},
-                       draft_choice=choice)
+    _sampled_law_check(
+        400, head_options={"algorithm": "dflash", "block_size": 3, "aux_layer_ids": [0, 1, 1]}, draft_choice=choice
+    )
 
 
 # --- training ------------------------------------------------------------------------------------------
@@ -280,8 +285,15 @@ def ws(tmp_path_factory):
 
 @pytest.mark.parametrize("online", [False, True])
 def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, online):
-    cfg = ws.cfg(tmp_path / "out", online=online, steps=8, draft__block_size=4, train__anchors_per_sequence=8,
-                 train__loss="lk_hybrid", train__position_weights="dpace")
+    cfg = ws.cfg(
+        tmp_path / "out",
+        online=online,
+        steps=8,
+        draft__block_size=4,
+        train__anchors_per_sequence=8,
+        train__loss="lk_hybrid",
+        train__position_weights="dpace",
+    )
     result = train(cfg)
     assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
     model, tok = make_model("qwen3")  # the workspace's target: the same seed
@@ -295,9 +307,20 @@ def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, 
     # eagle-eval on the trained head: greedy identical to HF generate, the report names the algorithm and block.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p", "prompt": "Write a short poem about the sea."}) + "\n")
-    report = evaluate(compose([f"target.path={ws.target}", f"draft.path={tmp_path / 'out'}",
-                               f"eval.prompts={prompts}", "eval.warmup_prompts=0", "decode.max_new_tokens=16",
-                               "decode.temperature=0", "target.dtype=float32", f"output_dir={tmp_path / 'eval'}"]))
+    report = evaluate(
+        compose(
+            [
+                f"target.path={ws.target}",
+                f"draft.path={tmp_path / 'out'}",
+                f"eval.prompts={prompts}",
+                "eval.warmup_prompts=0",
+                "decode.max_new_tokens=16",
+                "decode.temperature=0",
+                "target.dtype=float32",
+                f"output_dir={tmp_path / 'eval'}",
+            ]
+        )
+    )
     assert report["greedy_match"] == 1.0
     assert report["settings"]["algorithm"] == "dflash" and report["settings"]["block_size"] == 4
 

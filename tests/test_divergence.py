@@ -48,8 +48,15 @@ def smol_pair(smollm2):
         head, _ = load_draft(REPO_HEAD, model16)
     else:
         head = random_head(model16, "eagle3", draft_vocab_size=2000)
-    mt = [prompt_ids(tok, q) for q in ("Write a haiku about autumn leaves.", "What is the capital of France? Explain its history.",
-                                        "Give three tips for writing clean Python code.", "Describe how a bicycle works.")]
+    mt = [
+        prompt_ids(tok, q)
+        for q in (
+            "Write a haiku about autumn leaves.",
+            "What is the capital of France? Explain its history.",
+            "Give three tips for writing clean Python code.",
+            "Describe how a bicycle works.",
+        )
+    ]
     return model32, model16, tok, head, mt
 
 

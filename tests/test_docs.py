@@ -36,10 +36,19 @@ HTML_ANCHOR = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"", re.I)
 
 # A stage command starts a line or follows a shell operator, after any VAR=value assignments; or it
 # is a module run by a launcher (`torchrun ... -m eagle.cli.capture`, `accelerate launch -m eagle.cli.train`).
-COMMAND = re.compile(r"(?:(?:^|&&|;|\|)\s*(?:[A-Za-z_]+=\S+\s+)*(eagle-[a-z]+)|-m\s+eagle\.cli\.([a-z]+))"
-                     r"((?:[^;&|#\n]|\|\|)*)", re.M)
-MODULES = {"capture": "eagle-capture", "regenerate": "eagle-regenerate", "train": "eagle-train",
-           "evaluate": "eagle-eval", "export": "eagle-export", "publish": "eagle-publish"}
+COMMAND = re.compile(
+    r"(?:(?:^|&&|;|\|)\s*(?:[A-Za-z_]+=\S+\s+)*(eagle-[a-z]+)|-m\s+eagle\.cli\.([a-z]+))"
+    r"((?:[^;&|#\n]|\|\|)*)",
+    re.M,
+)
+MODULES = {
+    "capture": "eagle-capture",
+    "regenerate": "eagle-regenerate",
+    "train": "eagle-train",
+    "evaluate": "eagle-eval",
+    "export": "eagle-export",
+    "publish": "eagle-publish",
+}
 
 
 def _prose(text: str) -> str:
@@ -106,7 +115,7 @@ def _override_sets(words: list[str]) -> list[list[str]]:
         key, _, value = w.partition("=")
         values = _split_sweep(value)
         if len(values) > 1:
-            return [[*overrides[:k], f"{key}={v}", *overrides[k + 1:]] for v in values]
+            return [[*overrides[:k], f"{key}={v}", *overrides[k + 1 :]] for v in values]
     return [overrides]
 
 
@@ -130,8 +139,10 @@ def test_documented_command_composes(stage, words):
 
 
 def test_inline_commands_are_read():
-    text = "Run `eagle-eval recipe=smollm2-135m-instruct\n  eval.max_prompts=8` or `eagle-train` or\n" \
-           "```bash\neagle-train `x=1`\n```\n"
+    text = (
+        "Run `eagle-eval recipe=smollm2-135m-instruct\n  eval.max_prompts=8` or `eagle-train` or\n"
+        "```bash\neagle-train `x=1`\n```\n"
+    )
     assert _inline_commands(text) == ["eagle-eval recipe=smollm2-135m-instruct eval.max_prompts=8"]
 
 
@@ -178,8 +189,10 @@ def test_relative_link_resolves(path, target):
     dest = path.parent / file if file else path
     assert dest.exists(), f"{path.relative_to(ROOT)} links to missing {target}"
     if anchor and dest.suffix == ".md":
-        assert anchor in _anchors(dest), (f"{path.relative_to(ROOT)} links to {target}, but {dest.name} has no "
-                                          f"heading with that anchor; its anchors: {sorted(_anchors(dest))}")
+        assert anchor in _anchors(dest), (
+            f"{path.relative_to(ROOT)} links to {target}, but {dest.name} has no "
+            f"heading with that anchor; its anchors: {sorted(_anchors(dest))}"
+        )
 
 
 def test_readme_is_a_front_page():

@@ -76,20 +76,38 @@ def workspace(tmp_path_factory):
     save_head(head, root / "train" / "best")
     prompts = root / "prompts.jsonl"
     prompts.write_text(
-        json.dumps({"id": "poem", "turns": ["Write a short poem about the sea.", "Now make it shorter."],
-                    "category": "writing"}) + "\n"
-        + json.dumps({"id": "code", "prompt": "def add(a, b):"}) + "\n"
-        + json.dumps({"id": "unused", "prompt": "Explain relativity."}) + "\n"
+        json.dumps(
+            {
+                "id": "poem",
+                "turns": ["Write a short poem about the sea.", "Now make it shorter."],
+                "category": "writing",
+            }
+        )
+        + "\n"
+        + json.dumps({"id": "code", "prompt": "def add(a, b):"})
+        + "\n"
+        + json.dumps({"id": "unused", "prompt": "Explain relativity."})
+        + "\n"
     )
     return root
 
 
 def _cfg(ws: Path, out: str, *extra: str):
-    return compose([
-        f"target.path={ws / 'target'}", f"draft.path={ws / 'train'}", f"eval.prompts={ws / 'prompts.jsonl'}",
-        "eval.max_prompts=2", "eval.turns=all", "eval.warmup_prompts=1", "decode.max_new_tokens=12",
-        "decode.temperature=0", "target.dtype=float32", f"output_dir={ws / out}", *extra,
-    ])
+    return compose(
+        [
+            f"target.path={ws / 'target'}",
+            f"draft.path={ws / 'train'}",
+            f"eval.prompts={ws / 'prompts.jsonl'}",
+            "eval.max_prompts=2",
+            "eval.turns=all",
+            "eval.warmup_prompts=1",
+            "decode.max_new_tokens=12",
+            "decode.temperature=0",
+            "target.dtype=float32",
+            f"output_dir={ws / out}",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +125,19 @@ def greedy_report(workspace):
 
 def test_report_fields_and_consistency(greedy_report, workspace):
     r = greedy_report
-    for key in ("tau", "accept_rate_by_depth", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                "speedup_vs_prompt_lookup", "speedup_vs_autoregressive", "greedy_match", "per_prompt", "settings",
-                "decoder_overhead_share"):
+    for key in (
+        "tau",
+        "accept_rate_by_depth",
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "speedup_vs_prompt_lookup",
+        "speedup_vs_autoregressive",
+        "greedy_match",
+        "per_prompt",
+        "settings",
+        "decoder_overhead_share",
+    ):
         assert key in r, key
     on_disk = json.loads((workspace / "greedy" / "report.json").read_text())
     assert on_disk["tau"] == r["tau"] and len(on_disk["per_prompt"]) == 2
@@ -134,7 +162,8 @@ def test_report_fields_and_consistency(greedy_report, workspace):
     assert r["baseline_tokens_per_s"] == pytest.approx(m["hf_generate"]["tokens_per_s"])
     assert r["speedup"] == pytest.approx(m["speculative"]["tokens_per_s"] / m["hf_generate"]["tokens_per_s"])
     assert r["speedup_vs_prompt_lookup"] == pytest.approx(
-        m["speculative"]["tokens_per_s"] / m["prompt_lookup"]["tokens_per_s"])
+        m["speculative"]["tokens_per_s"] / m["prompt_lookup"]["tokens_per_s"]
+    )
     dec = r["decoder"]
     assert 0.0 <= dec["decoder_overhead_share"] <= 1.0
     assert dec["decoder_overhead_share"] == pytest.approx(dec["draft_share"] + dec["bookkeeping_share"])
@@ -169,8 +198,14 @@ def test_multi_turn_follows_own_answer(greedy_report, workspace):
     answer = poem["turns"][0]["answer"]
     second = turn_inputs(tok, prompt, [answer])[1][0].tolist()
     expected = tok.apply_chat_template(
-        [{"role": "user", "content": prompt.turns[0]}, {"role": "assistant", "content": answer},
-         {"role": "user", "content": prompt.turns[1]}], add_generation_prompt=True, tokenize=True, return_dict=True,
+        [
+            {"role": "user", "content": prompt.turns[0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": prompt.turns[1]},
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
     )["input_ids"]
     assert second == list(expected)
     assert poem["turns"][1]["prompt_tokens"] == len(second)
@@ -203,8 +238,11 @@ def test_exact_report_says_lossless_and_names_its_speedup_baseline(greedy_report
     r = greedy_report
     assert r["acceptance"] == "exact" and r["lossless"] is True
     shift = r["distribution_shift"]
-    assert shift["tv"] == 0.0 and shift["kl"] == 0.0 and shift["positions"] >= sum(
-        n for p in r["per_prompt"] for n in p["accept_lengths"])
+    assert (
+        shift["tv"] == 0.0
+        and shift["kl"] == 0.0
+        and shift["positions"] >= sum(n for p in r["per_prompt"] for n in p["accept_lengths"])
+    )
     assert r["speedup_baseline"] == "HF transformers generate (PyTorch eager)"
     assert "divergence" in r  # greedy, exact, with HF generate: the numerics check runs
     md = (workspace / "greedy" / "report.md").read_text()
@@ -218,9 +256,20 @@ def lenient_report(workspace):
 
     # Any drafted child passes: the random head's drafts are accepted, and the output leaves the target's.
     # A fixed tree of depth 4 without prompt lookup (the auto tree's shape depends on timing).
-    return evaluate(_cfg(workspace, "lenient", "decode.acceptance=lenient", "decode.lenient_top_k=1000",
-                         "decode.lenient_margin=100", "decode.tree=dynamic", "decode.lookup_tokens=0",
-                         "eval.baselines=[hf_generate]", "eval.warmup_prompts=0", "eval.turns=first"))
+    return evaluate(
+        _cfg(
+            workspace,
+            "lenient",
+            "decode.acceptance=lenient",
+            "decode.lenient_top_k=1000",
+            "decode.lenient_margin=100",
+            "decode.tree=dynamic",
+            "decode.lookup_tokens=0",
+            "eval.baselines=[hf_generate]",
+            "eval.warmup_prompts=0",
+            "eval.turns=first",
+        )
+    )
 
 
 def test_approximate_report_is_labelled_everywhere(lenient_report, workspace):
@@ -236,7 +285,9 @@ def test_approximate_report_is_labelled_everywhere(lenient_report, workspace):
     assert 0.0 <= r["greedy_match"] <= 1.0 and "divergence" not in r
     shift = r["distribution_shift"]
     assert shift["positions"] > 0 and shift["tv"] > 0 and shift["kl"] is None and shift["kl_infinite"] > 0, (
-        shift, [(p["accept_lengths"], p["tree_sizes"], p["greedy_match"]) for p in r["per_prompt"]])
+        shift,
+        [(p["accept_lengths"], p["tree_sizes"], p["greedy_match"]) for p in r["per_prompt"]],
+    )
     assert r["tau"] > 1.0
     assert all(t["hf_generate_answer"] is not None for p in r["per_prompt"] for t in p["turns"])
 
@@ -269,11 +320,21 @@ def test_sampling_run_other_family(tmp_path):
     head, _ = _random_head(target, 1)
     save_head(head, tmp_path / "ckpt" / "checkpoints" / "step-5" / "head")
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "x", "prompt": "Write a poem."}) + "\n")
-    r = evaluate(compose([
-        f"target.path={target}", f"draft.path={tmp_path / 'ckpt' / 'checkpoints' / 'step-5'}",
-        f"eval.prompts={tmp_path / 'p.jsonl'}", "eval.warmup_prompts=0", "eval.baselines=[hf_generate]",
-        "decode.temperature=0.8", "decode.top_p=0.9", "decode.max_new_tokens=8", f"output_dir={tmp_path / 'out'}",
-    ]))
+    r = evaluate(
+        compose(
+            [
+                f"target.path={target}",
+                f"draft.path={tmp_path / 'ckpt' / 'checkpoints' / 'step-5'}",
+                f"eval.prompts={tmp_path / 'p.jsonl'}",
+                "eval.warmup_prompts=0",
+                "eval.baselines=[hf_generate]",
+                "decode.temperature=0.8",
+                "decode.top_p=0.9",
+                "decode.max_new_tokens=8",
+                f"output_dir={tmp_path / 'out'}",
+            ]
+        )
+    )
     assert r["greedy_match"] is None and r["per_prompt"][0]["greedy_match"] is None
     assert r["speedup_vs_prompt_lookup"] is None and r["speedup"] is not None
     assert r["settings"]["draft_kind"] == "checkpoint" and r["settings"]["temperature"] == 0.8
@@ -333,9 +394,16 @@ def test_resolve_draft_path_errors(tmp_path):
 def test_cli_reports_bad_draft_path(tmp_path):
     """The console entry point prints one message naming the key and exits 2, before loading any model."""
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle.cli.evaluate", f"draft.path={tmp_path / 'missing'}",
-         f"output_dir={tmp_path / 'out'}"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "eagle.cli.evaluate",
+            f"draft.path={tmp_path / 'missing'}",
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
     assert "draft.path=" in proc.stderr and "does not exist" in proc.stderr
@@ -354,11 +422,20 @@ def test_smollm2_mt_bench_greedy_match(tmp_path, smollm2):
     cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None), info)
     torch.manual_seed(0)
     save_head(build_head(cfg, model), tmp_path / "head")
-    r = evaluate(compose([
-        f"draft.path={tmp_path / 'head'}", "eval.prompts=mt_bench", "eval.max_prompts=1", "eval.warmup_prompts=0",
-        "eval.baselines=[hf_generate]", "decode.max_new_tokens=6", "target.dtype=float32",
-        f"output_dir={tmp_path / 'out'}",
-    ]))
+    r = evaluate(
+        compose(
+            [
+                f"draft.path={tmp_path / 'head'}",
+                "eval.prompts=mt_bench",
+                "eval.max_prompts=1",
+                "eval.warmup_prompts=0",
+                "eval.baselines=[hf_generate]",
+                "decode.max_new_tokens=6",
+                "target.dtype=float32",
+                f"output_dir={tmp_path / 'out'}",
+            ]
+        )
+    )
     assert r["greedy_match"] == 1.0
     assert r["settings"]["prompt_ids"] == ["81"]
 
@@ -386,8 +463,8 @@ def test_report_splits_acceptance_by_context(greedy_report):
         # within a turn the context grows by what each step emitted
         first = p["turns"][0]
         steps0 = first["target_forwards"]
-        grown = [b - a for a, b in zip(contexts[:steps0 - 1], contexts[1:steps0], strict=True)]
-        assert grown == p["accept_lengths"][:steps0 - 1]
+        grown = [b - a for a, b in zip(contexts[: steps0 - 1], contexts[1:steps0], strict=True)]
+        assert grown == p["accept_lengths"][: steps0 - 1]
         assert contexts[0] == first["prompt_tokens"]  # the prompt is cached; the prefill's token is the first root
 
 

@@ -22,8 +22,16 @@ from eagle.fileio import safetensors_bytes
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
-LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-         "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+LAYER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 E3_LAYER = LAYER + ["input_layernorm.weight", "hidden_norm.weight"]
 E3_TOP = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
 DRAFT_VOCAB = 200
@@ -120,14 +128,18 @@ def test_eagle1_export_keys_and_round_trip(fmt, heads, target, tmp_path):
     want = {"fc.weight"} | {"layers.0." + k for k in LAYER} | ({"fc.bias"} if fmt != "vllm" else set())
     assert _keys(tmp_path / fmt) == want
     cfg = _config(tmp_path / fmt)
-    assert cfg["architectures"] == [{"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle",
-                                     "hf": "EagleLlamaForCausalLM"}[fmt]]
+    assert cfg["architectures"] == [
+        {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle", "hf": "EagleLlamaForCausalLM"}[fmt]
+    ]
     assert torch.equal(_outputs(load_exported_head(tmp_path / fmt, target)), _outputs(head))
 
 
 def test_speculators_rejects_eagle1(heads, tmp_path):
-    with pytest.raises(ExportError, match=r"format=speculators cannot express an EAGLE-1 head \(speculators 0\.9\.0 "
-                                          r"has no EAGLE-1 model.*\); export it with format=vllm \| sglang \| hf$"):
+    with pytest.raises(
+        ExportError,
+        match=r"format=speculators cannot express an EAGLE-1 head \(speculators 0\.9\.0 "
+        r"has no EAGLE-1 model.*\); export it with format=vllm \| sglang \| hf$",
+    ):
         export_head(heads["eagle1"], tmp_path / "s", "speculators")
     assert not (tmp_path / "s").exists()
 
@@ -158,23 +170,41 @@ def _rewrite_config(folder: Path, fn) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("breakage, message", [
-    (lambda f: _rewrite_tensors(f, lambda t: t.pop("midlayer.hidden_norm.weight")), "missing: midlayer.hidden_norm"),
-    (lambda f: _rewrite_tensors(f, lambda t: t.update(
-        {"fc.weight": torch.zeros(t["fc.weight"].shape[0], 7, dtype=torch.float16)})), "fc.weight has shape"),
-    (lambda f: _rewrite_tensors(f, lambda t: t.update({"extra.weight": torch.zeros(2)})), "unexpected tensors"),
-    (lambda f: _rewrite_tensors(f, lambda t: t.update({"d2t": t["d2t"].flip(0).contiguous()})), "d2t"),
-    (lambda f: _rewrite_config(f, lambda c: c.update(architectures=["LlamaForCausalLM"])), "'architectures'"),
-    (lambda f: _rewrite_config(f, lambda c: (c.pop(EXPORT_META_KEY), c.update(architectures=["LlamaForCausalLM"]))),
-     "not an EAGLE draft head"),
-    (lambda f: _rewrite_config(f, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
-     "eagle_aux_hidden_state_layer_ids"),
-    (lambda f: _rewrite_config(f, lambda c: c.update(tie_word_embeddings=True)), "tie_word_embeddings"),
-    (lambda f: _rewrite_config(f, lambda c: c[EXPORT_META_KEY]["head_config"].update(hidden_size=32)),
-     "fc.weight has shape .* the config implies"),
-    (lambda f: (f / "config.json").write_text("{not json"), "not valid JSON"),
-    (lambda f: (f / "model.safetensors").unlink(), "no model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (
+            lambda f: _rewrite_tensors(f, lambda t: t.pop("midlayer.hidden_norm.weight")),
+            "missing: midlayer.hidden_norm",
+        ),
+        (
+            lambda f: _rewrite_tensors(
+                f, lambda t: t.update({"fc.weight": torch.zeros(t["fc.weight"].shape[0], 7, dtype=torch.float16)})
+            ),
+            "fc.weight has shape",
+        ),
+        (lambda f: _rewrite_tensors(f, lambda t: t.update({"extra.weight": torch.zeros(2)})), "unexpected tensors"),
+        (lambda f: _rewrite_tensors(f, lambda t: t.update({"d2t": t["d2t"].flip(0).contiguous()})), "d2t"),
+        (lambda f: _rewrite_config(f, lambda c: c.update(architectures=["LlamaForCausalLM"])), "'architectures'"),
+        (
+            lambda f: _rewrite_config(
+                f, lambda c: (c.pop(EXPORT_META_KEY), c.update(architectures=["LlamaForCausalLM"]))
+            ),
+            "not an EAGLE draft head",
+        ),
+        (
+            lambda f: _rewrite_config(f, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
+            "eagle_aux_hidden_state_layer_ids",
+        ),
+        (lambda f: _rewrite_config(f, lambda c: c.update(tie_word_embeddings=True)), "tie_word_embeddings"),
+        (
+            lambda f: _rewrite_config(f, lambda c: c[EXPORT_META_KEY]["head_config"].update(hidden_size=32)),
+            "fc.weight has shape .* the config implies",
+        ),
+        (lambda f: (f / "config.json").write_text("{not json"), "not valid JSON"),
+        (lambda f: (f / "model.safetensors").unlink(), "no model.safetensors"),
+    ],
+)
 def test_check_rejects_broken_folders(breakage, message, heads, tmp_path):
     folder = tmp_path / "vllm"
     export_head(heads["eagle3"], folder, "vllm")
@@ -189,16 +219,33 @@ def test_third_party_vllm_style_folder_loads(heads, target, tmp_path):
     head = heads["eagle3"]
     folder = tmp_path / "third"
     folder.mkdir()
-    state = {k.replace("midlayer.", "layers.0."): v.clone().contiguous() for k, v in head.trainable_state_dict().items()}
+    state = {
+        k.replace("midlayer.", "layers.0."): v.clone().contiguous() for k, v in head.trainable_state_dict().items()
+    }
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
     save_file(state, str(folder / "model.safetensors"))
     c = head.config
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size, "max_position_embeddings": 1024,
-        "rope_theta": c.rope_parameters["rope_theta"], "hidden_act": "silu", "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "model_type": "llama",
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": 1,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+                "rms_norm_eps": c.rms_norm_eps,
+                "vocab_size": c.vocab_size,
+                "draft_vocab_size": c.draft_vocab_size,
+                "max_position_embeddings": 1024,
+                "rope_theta": c.rope_parameters["rope_theta"],
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     checked = check_folder(folder)
     assert checked.format == "third-party" and "embed_tokens.weight" in checked.borrowed
     loaded = load_exported_head(folder, target)
@@ -262,13 +309,22 @@ def test_speculators_embedding_from_target_folder_and_verifier_choices(heads, ti
     head = heads["eagle3"]
     state = head.trainable_state_dict()
     want = load_file(str(tiny_target_dir / "model.safetensors"))["model.embed_tokens.weight"]
-    out = write_export(head.config, state, tmp_path / "a", "speculators", dtype="float16",
-                       target_path=str(tiny_target_dir))
+    out = write_export(
+        head.config, state, tmp_path / "a", "speculators", dtype="float16", target_path=str(tiny_target_dir)
+    )
     assert torch.equal(out.borrowed["embed_tokens.weight"], want.to(torch.float16))
-    assert out.raw_config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target_dir.resolve()),
-                                                               "architectures": ["LlamaForCausalLM"]}
-    hub = write_export(head.config, state, tmp_path / "b", "speculators", target_path=str(tiny_target_dir),
-                       verifier="org/published-target")
+    assert out.raw_config["speculators_config"]["verifier"] == {
+        "name_or_path": str(tiny_target_dir.resolve()),
+        "architectures": ["LlamaForCausalLM"],
+    }
+    hub = write_export(
+        head.config,
+        state,
+        tmp_path / "b",
+        "speculators",
+        target_path=str(tiny_target_dir),
+        verifier="org/published-target",
+    )
     assert hub.raw_config["speculators_config"]["verifier"]["name_or_path"] == "org/published-target"
     assert verifier_info("org/some-model")["name_or_path"] == "org/some-model"  # a Hub-id target stays one
     assert verifier_info(str(tiny_target_dir), "hub")["name_or_path"] == str(tiny_target_dir)
@@ -278,8 +334,14 @@ def test_speculators_embedding_from_target_folder_and_verifier_choices(heads, ti
         write_export(head.config, state, tmp_path / "c", "speculators", target_path=None, verifier="org/x")
     other, _ = make_model("llama", hidden=32)  # a different target: its embedding does not fit the head
     with pytest.raises(ExportError, match="not the head's target"):
-        write_export(head.config, state, tmp_path / "d", "speculators",
-                     embed_tokens=other.get_input_embeddings().weight.detach(), verifier="org/x")
+        write_export(
+            head.config,
+            state,
+            tmp_path / "d",
+            "speculators",
+            embed_tokens=other.get_input_embeddings().weight.detach(),
+            verifier="org/x",
+        )
 
 
 def test_old_speculators_export_without_embedding_still_checks(heads, target, tmp_path):
@@ -289,16 +351,21 @@ def test_old_speculators_export_without_embedding_still_checks(heads, target, tm
     old = check_folder(folder)
     assert any("all-zero input embedding" in n for n in old.notes)
     assert torch.equal(_outputs(load_exported_head(folder, target)), _outputs(heads["eagle3"]))
-    _rewrite_tensors(folder, lambda t: t.update(
-        {"embed_tokens.weight": torch.zeros(heads["eagle3"].config.vocab_size, heads["eagle3"].config.hidden_size)}))
+    _rewrite_tensors(
+        folder,
+        lambda t: t.update(
+            {"embed_tokens.weight": torch.zeros(heads["eagle3"].config.vocab_size, heads["eagle3"].config.hidden_size)}
+        ),
+    )
     with pytest.raises(ExportError, match="all zeros"):
         check_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def eagle31(target):
-    cfg = head_config_from_target(target.config, DraftConfig(algorithm="eagle3", draft_vocab_size=DRAFT_VOCAB,
-                                                             fc_norm=True, norm_output=True))
+    cfg = head_config_from_target(
+        target.config, DraftConfig(algorithm="eagle3", draft_vocab_size=DRAFT_VOCAB, fc_norm=True, norm_output=True)
+    )
     head = build_head(cfg, target, vocab_counts=torch.arange(cfg.vocab_size, dtype=torch.float) % 13)
     randomise(head, 3)
     return head.eval()
@@ -324,9 +391,12 @@ def test_eagle31_head_exports_its_norms_and_round_trips(fmt, eagle31, target, tm
 
 
 def test_eagle31_head_is_refused_by_llamacpp(eagle31, tmp_path):
-    with pytest.raises(ExportError, match=r"format=llamacpp cannot serve this head: fc_norm=true: llama\.cpp b11434 .*; "
-                                          r"norm_output=true: llama\.cpp b11434 .*; export it with format=vllm \| "
-                                          r"sglang \| speculators \| hf$"):
+    with pytest.raises(
+        ExportError,
+        match=r"format=llamacpp cannot serve this head: fc_norm=true: llama\.cpp b11434 .*; "
+        r"norm_output=true: llama\.cpp b11434 .*; export it with format=vllm \| "
+        r"sglang \| speculators \| hf$",
+    ):
         export_head(eagle31, tmp_path / "l", "llamacpp", dtype="float32", target_path="org/target-model")
     assert not (tmp_path / "l").exists()
 
@@ -340,10 +410,12 @@ def test_plain_eagle3_exports_do_not_name_the_eagle31_options(heads, tmp_path):
 def test_safetensors_bytes_are_canonical_across_processes(tmp_path):
     # safetensors orders `__metadata__` by a per-process hash seed: two processes exporting the same
     # head wrote different bytes (sha256). Five metadata keys make a chance match 1 in 120.
-    code = ("import sys, torch; from eagle.fileio import safetensors_bytes; "
-            "t = {f'w{i}': torch.arange(6, dtype=torch.float32) * i for i in range(4)}; "
-            "m = {k: k * 2 for k in ('format', 'eagle_format', 'eagle_algorithm', 'x', 'y')}; "
-            "open(sys.argv[1], 'wb').write(safetensors_bytes(t, m))")
+    code = (
+        "import sys, torch; from eagle.fileio import safetensors_bytes; "
+        "t = {f'w{i}': torch.arange(6, dtype=torch.float32) * i for i in range(4)}; "
+        "m = {k: k * 2 for k in ('format', 'eagle_format', 'eagle_algorithm', 'x', 'y')}; "
+        "open(sys.argv[1], 'wb').write(safetensors_bytes(t, m))"
+    )
     paths = [tmp_path / f"{i}.safetensors" for i in range(2)]
     for p in paths:
         subprocess.run([sys.executable, "-c", code, str(p)], check=True)

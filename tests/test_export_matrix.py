@@ -25,22 +25,40 @@ from eagle.export.registry import FORMATS
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
-LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-         "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+LAYER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
 E3_LAYER = LAYER + ["input_layernorm.weight", "hidden_norm.weight"]
 E3_TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 FC_NORMS = {f"fc_norm.{i}.weight" for i in range(3)}  # vLLM / SGLang / speculators: model.fc_norm[i]
-VARIANTS = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_output": {"norm_output": True},
-            "both": {"fc_norm": True, "norm_output": True}, "eagle1": {}}
+VARIANTS = {
+    "eagle3": {},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "both": {"fc_norm": True, "norm_output": True},
+    "eagle1": {},
+}
 
 # (format, variant) -> what the refusal must say: the format, each option and the engine. Anything else is served.
 REFUSED = {
     ("llamacpp", "fc_norm"): [r"format=llamacpp cannot serve this head: fc_norm=true: llama\.cpp b11434"],
     ("llamacpp", "norm_output"): [r"format=llamacpp cannot serve this head: norm_output=true: llama\.cpp b11434"],
-    ("llamacpp", "both"): [r"fc_norm=true: llama\.cpp b11434", r"norm_output=true: llama\.cpp b11434",
-                           r"export it with format=vllm \| sglang \| speculators \| hf$"],
-    ("speculators", "eagle1"): [r"format=speculators cannot express an EAGLE-1 head \(speculators 0\.9\.0 has no "
-                                r"EAGLE-1 model"],
+    ("llamacpp", "both"): [
+        r"fc_norm=true: llama\.cpp b11434",
+        r"norm_output=true: llama\.cpp b11434",
+        r"export it with format=vllm \| sglang \| speculators \| hf$",
+    ],
+    ("speculators", "eagle1"): [
+        r"format=speculators cannot express an EAGLE-1 head \(speculators 0\.9\.0 has no "
+        r"EAGLE-1 model"
+    ],
     ("llamacpp", "eagle1"): [r"format=llamacpp cannot express an EAGLE-1 head \(llama\.cpp b11434 has no EAGLE-1"],
 }
 CASES = [(fmt, variant) for fmt in FORMATS for variant in VARIANTS]
@@ -134,14 +152,28 @@ def test_refusal_leaves_an_earlier_export_untouched(heads, tiny_target_dir, tmp_
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-@pytest.mark.parametrize("fmt, change, message", [
-    ("llamacpp", {"hidden_act": "gelu_pytorch_tanh"},
-     r"hidden_act=gelu_pytorch_tanh: llama\.cpp b11434's .* SiLU .*; export it with format=speculators \| hf$"),
-    ("vllm", {"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act=gelu_pytorch_tanh: vLLM 0\.32's LlamaMLP accepts only"),
-    ("sglang", {"hidden_act": "gelu"}, r"hidden_act=gelu: SGLang 0\.5\.23's LlamaMLP accepts only silu"),
-    ("llamacpp", {"attention_bias": True}, r"attention_bias=true: llama\.cpp b11434's .* no q/k/v/o biases"),
-    ("speculators", {"target_hidden_size": 1000}, r"target_hidden_size=1000 != hidden_size=\d+: speculators 0\.9\.0"),
-])
+@pytest.mark.parametrize(
+    "fmt, change, message",
+    [
+        (
+            "llamacpp",
+            {"hidden_act": "gelu_pytorch_tanh"},
+            r"hidden_act=gelu_pytorch_tanh: llama\.cpp b11434's .* SiLU .*; export it with format=speculators \| hf$",
+        ),
+        (
+            "vllm",
+            {"hidden_act": "gelu_pytorch_tanh"},
+            r"hidden_act=gelu_pytorch_tanh: vLLM 0\.32's LlamaMLP accepts only",
+        ),
+        ("sglang", {"hidden_act": "gelu"}, r"hidden_act=gelu: SGLang 0\.5\.23's LlamaMLP accepts only silu"),
+        ("llamacpp", {"attention_bias": True}, r"attention_bias=true: llama\.cpp b11434's .* no q/k/v/o biases"),
+        (
+            "speculators",
+            {"target_hidden_size": 1000},
+            r"target_hidden_size=1000 != hidden_size=\d+: speculators 0\.9\.0",
+        ),
+    ],
+)
 def test_other_head_properties_an_engine_cannot_express(fmt, change, message, heads, tmp_path):
     head = heads["eagle3"]
     cfg = dataclasses.replace(head.config, **change)
@@ -151,8 +183,9 @@ def test_other_head_properties_an_engine_cannot_express(fmt, change, message, he
     assert not (tmp_path / "x").exists()
 
 
-def test_check_refuses_a_folder_its_engine_cannot_serve_but_eagle_still_loads_it(heads, target, tmp_path,
-                                                                                  monkeypatch, capsys):
+def test_check_refuses_a_folder_its_engine_cannot_serve_but_eagle_still_loads_it(
+    heads, target, tmp_path, monkeypatch, capsys
+):
     """A vllm folder of a non-SiLU head (written before vLLM's refusal was known, or by hand): eagle's loader
     reads the layout; `eagle-export --check` says vLLM cannot serve it."""
     out = tmp_path / "v"
@@ -173,18 +206,23 @@ def test_check_refuses_a_folder_its_engine_cannot_serve_but_eagle_still_loads_it
 
 def test_llamacpp_folder_commands_and_check(heads, tiny_target_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "llama"
-    export_head(heads["eagle3"], out, "llamacpp", dtype="float16", target_path=str(tiny_target_dir),
-                speculative_tokens=3)
+    export_head(
+        heads["eagle3"], out, "llamacpp", dtype="float16", target_path=str(tiny_target_dir), speculative_tokens=3
+    )
     guide = (out / "LLAMACPP.md").read_text()
     head_dir, hf_dir = out.resolve(), tiny_target_dir.resolve()
     # llama.cpp b11434: convert_hf_to_gguf.py's --target-model-dir / --outtype / --outfile, llama-server's
     # --spec-draft-model / --spec-type draft-eagle3 / --spec-draft-n-max (common/arg.cpp).
-    assert (f"python convert_hf_to_gguf.py {head_dir} --target-model-dir {hf_dir} --outtype f16 "
-            f"--outfile {head_dir}/head.gguf") in guide
+    assert (
+        f"python convert_hf_to_gguf.py {head_dir} --target-model-dir {hf_dir} --outtype f16 "
+        f"--outfile {head_dir}/head.gguf"
+    ) in guide
     # An HF-folder target has no GGUF: the guide converts it first, then serves that file.
     assert f"python convert_hf_to_gguf.py {hf_dir} --outtype f16 --outfile target.gguf" in guide
-    assert (f"llama-server -m target.gguf --spec-draft-model {head_dir}/head.gguf --spec-type draft-eagle3 "
-            "--spec-draft-n-max 3") in guide
+    assert (
+        f"llama-server -m target.gguf --spec-draft-model {head_dir}/head.gguf --spec-type draft-eagle3 "
+        "--spec-draft-n-max 3"
+    ) in guide
     from eagle.cli import export as cli
 
     monkeypatch.setattr("sys.argv", ["eagle-export", "--check", str(out), f"output_dir={tmp_path / 'c'}"])
@@ -255,7 +293,8 @@ def test_format_names_are_compared_only_in_the_registry():
 
     def is_format(node: ast.AST) -> bool:
         return (isinstance(node, ast.Name) and node.id in ("fmt", "format")) or (
-            isinstance(node, ast.Attribute) and node.attr == "format")
+            isinstance(node, ast.Attribute) and node.attr == "format"
+        )
 
     offenders = []
     for path in Path(eagle.__file__).parent.rglob("*.py"):

@@ -44,12 +44,17 @@ def test_greedy_output_is_the_targets_own(family):
     ids = prompt_ids(tok, PROMPT)
     ref = hf_greedy(model, ids, 24)
     assert autoregressive_generate(model, tok, ids, decode_cfg(max_new_tokens=24)).tokens == ref
-    heads = {"eagle3": random_head(model, "eagle3", draft_vocab_size=200), "oracle": OracleHead(ids + ref, len(tok)),
-             "dflash": random_head(model, "dflash", block_size=4), "peagle": random_head(model, "peagle")}
+    heads = {
+        "eagle3": random_head(model, "eagle3", draft_vocab_size=200),
+        "oracle": OracleHead(ids + ref, len(tok)),
+        "dflash": random_head(model, "dflash", block_size=4),
+        "peagle": random_head(model, "peagle"),
+    }
     for name, head in heads.items():
         for kw in ({}, {"tree": "auto"}, {"tree_top_k": 1}):
-            res = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=24, draft_dtype="float32",
-                                                                    **kw)).generate(ids)
+            res = SpeculativeGenerator(
+                model, head, tok, decode_cfg(max_new_tokens=24, draft_dtype="float32", **kw)
+            ).generate(ids)
             assert res.tokens == ref, (name, kw)
             assert sum(res.accept_lengths) + 1 == len(res.tokens)
             if name == "oracle":
@@ -61,8 +66,9 @@ def test_hybrid_targets_verify_chains_and_replay_partial_acceptances(family):
     model, tok = make_model(family)
     ids = prompt_ids(tok, PROMPT)
     ref = hf_greedy(model, ids, 30)
-    gen = SpeculativeGenerator(model, OracleHead(ids + ref, len(tok)), tok,
-                               decode_cfg(max_new_tokens=30, tree_top_k=3, lookup_tokens=4))
+    gen = SpeculativeGenerator(
+        model, OracleHead(ids + ref, len(tok)), tok, decode_cfg(max_new_tokens=30, tree_top_k=3, lookup_tokens=4)
+    )
     assert gen.top_k == 1 and gen.lookup_stats is None  # chains, no prompt-lookup branches
     res = gen.generate(ids)
     assert res.tokens == ref
@@ -86,8 +92,13 @@ def test_a_restored_snapshot_puts_the_recurrent_state_back():
     for layer, conv, rec in before.states:
         assert torch.equal(layer.conv_states[0], conv[0]) and torch.equal(layer.recurrent_states[0], rec[0])
     with pytest.raises(TargetError, match="chain"):  # a tree cannot be verified through recurrent layers
-        target_forward(model, ids[:3], torch.tensor([n, n + 1, n + 1]), cache,
-                       torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+        target_forward(
+            model,
+            ids[:3],
+            torch.tensor([n, n + 1, n + 1]),
+            cache,
+            torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+        )
 
 
 @pytest.mark.parametrize("decode_kw", [{}, {"draft_choice": "sample"}], ids=["topk", "sample"])
@@ -132,10 +143,21 @@ def test_every_stage_with_default_settings(family, tmp_path):
     assert online.step == 2
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p", "prompt": PROMPT}) + "\n")
-    report = evaluate(compose([f"target.path={ws.target}", f"draft.path={tmp_path / 'offline'}",
-                               f"eval.prompts={prompts}", "eval.warmup_prompts=0", "eval.baselines=[hf_generate]",
-                               "decode.max_new_tokens=16", "decode.temperature=0", "target.dtype=float32",
-                               f"output_dir={tmp_path / 'eval'}"]))
+    report = evaluate(
+        compose(
+            [
+                f"target.path={ws.target}",
+                f"draft.path={tmp_path / 'offline'}",
+                f"eval.prompts={prompts}",
+                "eval.warmup_prompts=0",
+                "eval.baselines=[hf_generate]",
+                "decode.max_new_tokens=16",
+                "decode.temperature=0",
+                "target.dtype=float32",
+                f"output_dir={tmp_path / 'eval'}",
+            ]
+        )
+    )
     assert report["greedy_match"] == 1.0
     model = AutoConfig.from_pretrained(ws.target)
     head = load_head(tmp_path / "offline" / "best")

@@ -27,14 +27,24 @@ def test_gpu_train_script_trains_to_its_budget_and_packs_the_best_head(tmp_path)
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHON": sys.executable,
-        "OUT": str(out), "WORK": str(work), "TARGET": str(target), "DATA": str(data),
-        "DTYPE": "float32", "MP": "no", "BATCH": "4", "VOCAB": "128", "TTT": "3",
-        "EVAL_EVERY": "4", "BUDGET_S": "60", "PACK_S": "5",
+        "OUT": str(out),
+        "WORK": str(work),
+        "TARGET": str(target),
+        "DATA": str(data),
+        "DTYPE": "float32",
+        "MP": "no",
+        "BATCH": "4",
+        "VOCAB": "128",
+        "TTT": "3",
+        "EVAL_EVERY": "4",
+        "BUDGET_S": "60",
+        "PACK_S": "5",
         "TRAIN_ARGS": "draft.aux_layer_ids=null data.dedup_against=[] data.heldout_fraction=0.2 device=cpu "
-                      "train.warmup_steps=2",
+        "train.warmup_steps=2",
     }
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_train.sh")], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_train.sh")], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "== train at batch 4 for" in log

@@ -34,8 +34,9 @@ def target(request):
 
 def _head(model, algo: str, seed: int = 0, **options):
     cfg = head_config_from_target(model.config, DraftConfig(algorithm=algo, draft_vocab_size=DRAFT_VOCAB, **options))
-    counts = torch.bincount(torch.randint(0, cfg.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)),
-                            minlength=cfg.vocab_size)
+    counts = torch.bincount(
+        torch.randint(0, cfg.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)), minlength=cfg.vocab_size
+    )
     torch.manual_seed(seed)
     return build_head(cfg, model, vocab_counts=counts)
 
@@ -50,16 +51,32 @@ def _inputs(head, b: int = 2, t: int = 7, seed: int = 0):
 
 
 EAGLE3_NAMES = {
-    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 EAGLE1_NAMES = {
-    "fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
-    "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+    "fc.weight",
+    "fc.bias",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
     "layers.0.mlp.down_proj.weight",
 }
 
@@ -122,8 +139,9 @@ def test_save_load_round_trip(target, algo, tmp_path):
     assert read_head_extra(tmp_path / "h") == {"step": 5}
 
 
-@pytest.mark.parametrize("algo, options", [("eagle1", {}), ("eagle3", {}),
-                                           ("eagle3", {"fc_norm": True, "norm_output": True})])
+@pytest.mark.parametrize(
+    "algo, options", [("eagle1", {}), ("eagle3", {}), ("eagle3", {"fc_norm": True, "norm_output": True})]
+)
 def test_cached_incremental_forward_matches_full(target, algo, options):
     from transformers import DynamicCache
 
@@ -149,15 +167,39 @@ def test_attention_matches_transformers_llama():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    lcfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=128, max_position_embeddings=1024, rope_parameters=rope,
-                       num_hidden_layers=1, vocab_size=32)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    lcfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        num_hidden_layers=1,
+        vocab_size=32,
+    )
     lcfg._attn_implementation = "sdpa"
-    hcfg = HeadConfig(algorithm="eagle1", hidden_size=64, target_hidden_size=64, vocab_size=32, draft_vocab_size=32,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                      max_position_embeddings=1024, rope_parameters=rope)
+    hcfg = HeadConfig(
+        algorithm="eagle1",
+        hidden_size=64,
+        target_hidden_size=64,
+        vocab_size=32,
+        draft_vocab_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+    )
     torch.manual_seed(0)
     ours, theirs = Attention(hcfg, 64), LlamaAttention(lcfg, layer_idx=0)
     theirs.load_state_dict(ours.state_dict())
@@ -177,9 +219,18 @@ def test_attention_matches_transformers_llama():
 def test_rope_table_equals_the_direct_computation_at_any_position_and_after_a_cast():
     """cos / sin come from a cached table (grown on demand): the values the formula gives directly,
     in float32 frequencies even for a head cast to bf16."""
-    hcfg = HeadConfig(algorithm="eagle1", hidden_size=64, target_hidden_size=64, vocab_size=32, draft_vocab_size=32,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hcfg = HeadConfig(
+        algorithm="eagle1",
+        hidden_size=64,
+        target_hidden_size=64,
+        vocab_size=32,
+        draft_vocab_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     rope = RotaryEmbedding(hcfg)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
 
@@ -210,8 +261,10 @@ def test_fused_projections_compute_the_same_function(target, algo):
     layer = "midlayer" if algo == "eagle3" else "layers.0"
     names = set(fused.state_dict())
     assert f"{layer}.self_attn.qkv_proj.weight" in names and f"{layer}.mlp.gate_up_proj.weight" in names
-    assert not any(n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".gate_proj.weight",
-                               ".up_proj.weight")) for n in names)
+    assert not any(
+        n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".gate_proj.weight", ".up_proj.weight"))
+        for n in names
+    )
     assert f"{layer}.self_attn.q_proj.weight" in head.state_dict()  # the original keeps its export names
     ids, feats, pos = _inputs(head, b=1, t=6)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings below a root
@@ -258,7 +311,9 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=vocab + 1))
     with pytest.raises(ConfigError, match="aux_layer_ids"):
-        head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None, aux_layer_ids=[0, 2, 5]))
+        head_config_from_target(
+            model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None, aux_layer_ids=[0, 2, 5])
+        )
     cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=50))
     with pytest.raises(ConfigError, match="token counts"):
         build_head(cfg, model)
@@ -369,11 +424,13 @@ def test_eagle31_options_apply_to_eagle3_and_are_ignored_by_eagle1():
     plain = compose(["recipe=smollm2-135m-instruct"]).draft
     assert not plain.fc_norm and not plain.norm_output
     for algo, expected in (("eagle3", True), ("eagle1", False)):
-        draft = compose(["recipe=smollm2-135m-instruct", f"draft={algo}", "draft.fc_norm=true",
-                         "draft.norm_output=true"]).draft
+        draft = compose(
+            ["recipe=smollm2-135m-instruct", f"draft={algo}", "draft.fc_norm=true", "draft.norm_output=true"]
+        ).draft
         assert draft.fc_norm and draft.norm_output  # what the overrides ask for, whatever the algorithm
-        cfg = head_config_from_target(model.config, DraftConfig(**{**vars(draft), "draft_vocab_size": DRAFT_VOCAB,
-                                                                    "aux_layer_ids": None}))
+        cfg = head_config_from_target(
+            model.config, DraftConfig(**{**vars(draft), "draft_vocab_size": DRAFT_VOCAB, "aux_layer_ids": None})
+        )
         assert (cfg.fc_norm, cfg.norm_output) == (expected, expected), algo
         counts = torch.ones(cfg.vocab_size, dtype=torch.long)
         assert hasattr(build_head(cfg, model, vocab_counts=counts), "fc_norm") == expected

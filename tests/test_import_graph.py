@@ -81,8 +81,11 @@ def _imports() -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_unit_has_a_layer():
-    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").is_file())}
+    units = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").is_file())
+    }
     placed = set().union(*LAYERS)
     assert units - placed == set(), "put new units into LAYERS"
     assert placed - units == set(), "LAYERS names units that no longer exist"
@@ -111,7 +114,7 @@ def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
 
 def _reason_on(lines: list[str], first: int, last: int) -> str | None:
     """The reason in a comment on source lines first..last (1-based, inclusive)."""
-    for line in lines[first - 1:last]:
+    for line in lines[first - 1 : last]:
         m = _REASON.search(line)
         if m:
             return m.group(1)
@@ -174,8 +177,10 @@ def local_import_problems(source: str, where: str = "<source>") -> list[str]:
         elif reason is None:
             problems.append(f"{place}: import of {names} inside a function without a reason ({', '.join(REASONS)})")
         elif internal and reason not in EAGLE_REASONS:
-            problems.append(f"{place}: {names} is an eagle module: at the top, or local only for "
-                            f"{' / '.join(EAGLE_REASONS)} (not {reason!r})")
+            problems.append(
+                f"{place}: {names} is an eagle module: at the top, or local only for "
+                f"{' / '.join(EAGLE_REASONS)} (not {reason!r})"
+            )
     return problems
 
 
@@ -184,8 +189,11 @@ def _package_files() -> list[Path]:
 
 
 def test_function_local_imports_say_why():
-    problems = [p for path in _package_files()
-                for p in local_import_problems(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
+    problems = [
+        p
+        for path in _package_files()
+        for p in local_import_problems(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
     assert problems == [], "\n".join(problems)
 
 
@@ -199,8 +207,16 @@ def test_local_import_check_refuses_what_it_should():
     assert check("# optional: POSIX only\nimport fcntl") == []
     assert len(check("# optional: POSIX only\nx = 1\nimport fcntl")) == 1  # the comment is not above it
     # a comment above the first of a run covers the run, blank lines included; another statement ends it
-    assert check("# startup: loads torch\nfrom accelerate import PartialState\n\nfrom eagle.target.loading import load_target") == []
-    assert len(check("# startup: loads torch\nimport accelerate\nx = 1\nfrom eagle.target.loading import load_target")) == 1
+    assert (
+        check(
+            "# startup: loads torch\nfrom accelerate import PartialState\n\nfrom eagle.target.loading import load_target"
+        )
+        == []
+    )
+    assert (
+        len(check("# startup: loads torch\nimport accelerate\nx = 1\nfrom eagle.target.loading import load_target"))
+        == 1
+    )
     # eagle modules: at the top, or local for a cycle or to keep a light module light
     assert len(check("from eagle.target.loading import load_target  # heavy: loads torch")) == 1
     assert len(check("import eagle.target  # optional: no")) == 1
@@ -227,10 +243,12 @@ def test_startup_imports_keep_their_module_free_of_torch():
             rel = path.relative_to(PACKAGE.parent).with_suffix("")
             modules.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
     assert "eagle.cli.train" in modules and "eagle.evaluate" in modules
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}:\n"
-            "    importlib.import_module(m)\n"
-            "    assert 'torch' not in sys.modules, m + ' (or a module it imports) loads torch'\n")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "    assert 'torch' not in sys.modules, m + ' (or a module it imports) loads torch'\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -254,6 +272,8 @@ def test_no_function_is_longer_than_80_lines():
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
-                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
-                            f"({node.end_lineno - node.lineno + 1} lines)")
+                long.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
+                    f"({node.end_lineno - node.lineno + 1} lines)"
+                )
     assert long == []

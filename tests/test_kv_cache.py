@@ -60,8 +60,9 @@ def test_sliding_window_is_applied_to_tree_masks():
     torch.testing.assert_close(out.logits, full, atol=1e-4, rtol=1e-4)
     cache2 = new_cache()
     target_forward(model, seq[:90], torch.arange(90), cache2, windows={"sliding_attention": None})
-    no_window = target_forward(model, seq[90:], torch.arange(90, 100), cache2, chain,
-                               windows={"sliding_attention": None})
+    no_window = target_forward(
+        model, seq[90:], torch.arange(90, 100), cache2, chain, windows={"sliding_attention": None}
+    )
     assert (no_window.logits - full).abs().max() > 1e-3
 
 

@@ -98,8 +98,11 @@ def test_graft_on_random_trees_keeps_a_valid_tree():
         # The chain is now a root path: walking it by tokens reaches depth len(chain).
         node = 0
         for tok in chain:
-            node = next(c for c in range(1, grafted.size + 1) if int(grafted.parents[c]) == node
-                        and int(grafted.tokens[c]) == tok)
+            node = next(
+                c
+                for c in range(1, grafted.size + 1)
+                if int(grafted.parents[c]) == node and int(grafted.tokens[c]) == tok
+            )
         assert int(grafted.depths[node]) == len(chain)
         assert grafted.size == tree.size + positions.numel()
 
@@ -141,15 +144,25 @@ def test_greedy_with_lookup_equals_target_greedy_and_lookup_pays(tree):
     for text in ("Write a short poem about the sea.", "def add(a, b):"):
         ids = prompt_ids(tok, text)
         ref = hf_greedy(model, ids, 40)
-        cfg = decode_cfg(max_new_tokens=40, tree=tree, static_paths=[[0], [1], [0, 0]], lookup_tokens=6,
-                         lookup_min_ngram=1, auto_candidates=[2, 4, 8])
+        cfg = decode_cfg(
+            max_new_tokens=40,
+            tree=tree,
+            static_paths=[[0], [1], [0, 0]],
+            lookup_tokens=6,
+            lookup_min_ngram=1,
+            auto_candidates=[2, 4, 8],
+        )
         gen = SpeculativeGenerator(model, head, tok, cfg)
         res = gen.generate(ids)
         assert res.tokens == ref, tree
         assert len(res.lookup_nodes) == len(res.accept_lengths) == res.target_forwards
         assert sum(res.lookup_accepted) > 0  # grafted nodes were accepted
         assert all(a <= g for a, g in zip(res.lookup_accepted, res.lookup_nodes, strict=True))
-        plain = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=40, tree=tree,
-                                     static_paths=[[0], [1], [0, 0]], auto_candidates=[2, 4, 8])).generate(ids)
+        plain = SpeculativeGenerator(
+            model,
+            head,
+            tok,
+            decode_cfg(max_new_tokens=40, tree=tree, static_paths=[[0], [1], [0, 0]], auto_candidates=[2, 4, 8]),
+        ).generate(ids)
         assert plain.tokens == ref and not plain.lookup_nodes
         assert res.target_forwards < plain.target_forwards  # fewer verify passes for the same tokens

@@ -66,10 +66,10 @@ def _eagle3_case(seed=0, steps=3):
 
 def test_eagle3_fast_matches_reference():
     step_logits, target_logits, loss_mask, t2d, d2t, am = _eagle3_case()
-    ref, g_ref = _grads(lambda: eagle3_loss_reference(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am),
-                        *step_logits)
-    fast, g_fast = _grads(lambda: eagle3_loss(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am),
-                          *step_logits)
+    ref, g_ref = _grads(
+        lambda: eagle3_loss_reference(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am), *step_logits
+    )
+    fast, g_fast = _grads(lambda: eagle3_loss(step_logits, target_logits, loss_mask, t2d, d2t, 0.8, am), *step_logits)
     torch.testing.assert_close(fast.loss, ref.loss)
     for i in range(3):
         torch.testing.assert_close(fast.step_losses[i], ref.step_losses[i])
@@ -150,9 +150,13 @@ def test_forward_loss_on_loss_positions_equals_the_dense_reference(algorithm):
     loss_mask = torch.zeros(b, t, dtype=torch.uint8)
     loss_mask[0, 3:] = 1  # a prompt of 3 tokens, then the answer
     loss_mask[1, 2:7] = 1
-    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g), "attention_mask": attention_mask,
-             "loss_mask": loss_mask, "aux_hidden": torch.randn(b, t, k, h, generator=g),
-             "final_hidden": 3 * torch.randn(b, t, h, generator=g)}
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "aux_hidden": torch.randn(b, t, k, h, generator=g),
+        "final_hidden": 3 * torch.randn(b, t, h, generator=g),
+    }
     settings = LossSettings(steps=3, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0, pad_id=0)
     params = [p for p in head.parameters() if p.requires_grad]
     parts = alg.forward_loss(head, lm_head, batch, settings, None)
@@ -164,8 +168,14 @@ def test_forward_loss_on_loss_positions_equals_the_dense_reference(algorithm):
     with torch.no_grad():
         target_logits = lm_head(shift_left(batch["final_hidden"], 1))  # [B, T, V]
     v = cfg.vocab_size  # EAGLE-1 drafts from the full vocabulary: identity maps
-    t2d, d2t = (head.t2d, head.d2t) if algorithm == "eagle3" else (torch.ones(v, dtype=torch.bool), torch.zeros(v, dtype=torch.long))
-    ref = eagle3_loss_reference([head.logits(o) for o in outs], target_logits, a["loss_mask"], t2d, d2t, 0.8, a["valid"])
+    t2d, d2t = (
+        (head.t2d, head.d2t)
+        if algorithm == "eagle3"
+        else (torch.ones(v, dtype=torch.bool), torch.zeros(v, dtype=torch.long))
+    )
+    ref = eagle3_loss_reference(
+        [head.logits(o) for o in outs], target_logits, a["loss_mask"], t2d, d2t, 0.8, a["valid"]
+    )
     expected = torch.autograd.grad(ref.loss, params)
     torch.testing.assert_close(parts.objective, ref.loss)
     for i in range(3):

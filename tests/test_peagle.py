@@ -122,7 +122,7 @@ def test_training_pass_equals_the_decoders_one_pass(qwen3):
         trained = torch.log_softmax(head.logits(torch.cat([out[b, a][None], out[b, t:][cols]])[None])[0].float(), -1)
         cache = head.new_draft_cache()
         with torch.inference_mode():
-            root_hidden = head.commit(cache, ids[b, 1:a + 2], feats[b, :a + 1], torch.arange(a + 1))
+            root_hidden = head.commit(cache, ids[b, 1 : a + 2], feats[b, : a + 1], torch.arange(a + 1))
             decoded = parallel_log_probs(head, cache, root_hidden, a + 1)  # [4, V]
         torch.testing.assert_close(decoded, trained, atol=2e-5, rtol=1e-5)
         assert head.new_draft_cache() is not cache and cache.get_seq_length() == a + 1  # slots cropped
@@ -158,14 +158,14 @@ def test_loss_matches_a_per_slot_reference(qwen3):
             if a + 2 < t and loss_at[b, a + 2]:
                 cache = head.new_draft_cache()
                 with torch.inference_mode():
-                    root = head.commit(cache, ids[b, 1:a + 2], feats[b, :a + 1], torch.arange(a + 1))
+                    root = head.commit(cache, ids[b, 1 : a + 2], feats[b, : a + 1], torch.arange(a + 1))
                 add(0, torch.log_softmax(head.logits(root[None, None])[0, 0].float(), -1), b, a)
         for a, j in zip(batch["slot_anchor"][b].tolist(), batch["slot_depth"][b].tolist(), strict=True):
             if a < 0 or a + j + 2 >= t or not loss_at[b, a + j + 2]:
                 continue
             cache = head.new_draft_cache()
             with torch.inference_mode():
-                root = head.commit(cache, ids[b, 1:a + 2], feats[b, :a + 1], torch.arange(a + 1))
+                root = head.commit(cache, ids[b, 1 : a + 2], feats[b, : a + 1], torch.arange(a + 1))
                 logq = parallel_log_probs(head, cache, root, a + 1)
             add(j, logq[j], b, a + j)
     assert tokens == counts and min(tokens) > 0
@@ -232,8 +232,9 @@ def test_long_accepted_runs_stay_identical(qwen3):
     oracle.attach_target(model)
     oracle.setup(ids + ref)
     for kw in ({"tree_top_k": 1}, {"tree_top_k": 2, "tree_total_tokens": 16}):
-        res = SpeculativeGenerator(model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40,
-                                                                 **kw)).generate(ids)
+        res = SpeculativeGenerator(
+            model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40, **kw)
+        ).generate(ids)
         assert res.tokens == ref, kw
         assert max(res.accept_lengths) >= 4 and 1 + sum(res.accept_lengths) == len(ref)
 
@@ -241,8 +242,9 @@ def test_long_accepted_runs_stay_identical(qwen3):
 @pytest.mark.parametrize("choice", ["sample", "topk"])
 def test_sampled_decoding_follows_the_target_law(choice):
     """Tokens 2-3 of sampled decoding with a parallel drafter have the target's exact law (chi-square)."""
-    _sampled_law_check(400, head_options={"algorithm": "peagle", "parallel_tokens": 3, "aux_layer_ids": [0, 1, 1]},
-                       draft_choice=choice)
+    _sampled_law_check(
+        400, head_options={"algorithm": "peagle", "parallel_tokens": 3, "aux_layer_ids": [0, 1, 1]}, draft_choice=choice
+    )
 
 
 # --- training, config, export --------------------------------------------------------------------------
@@ -255,8 +257,14 @@ def ws(tmp_path_factory):
 
 @pytest.mark.parametrize("online", [False, True])
 def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, online):
-    cfg = ws.cfg(tmp_path / "out", online=online, steps=8, draft__parallel_tokens=4, train__anchors_per_sequence=8,
-                 train__loss="lk_hybrid")
+    cfg = ws.cfg(
+        tmp_path / "out",
+        online=online,
+        steps=8,
+        draft__parallel_tokens=4,
+        train__anchors_per_sequence=8,
+        train__loss="lk_hybrid",
+    )
     result = train(cfg)
     assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
     model, tok = make_model("qwen3")  # the workspace's target: the same seed
@@ -269,9 +277,20 @@ def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, 
         return
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p", "prompt": "Write a short poem about the sea."}) + "\n")
-    report = evaluate(compose([f"target.path={ws.target}", f"draft.path={tmp_path / 'out'}",
-                               f"eval.prompts={prompts}", "eval.warmup_prompts=0", "decode.max_new_tokens=16",
-                               "decode.temperature=0", "target.dtype=float32", f"output_dir={tmp_path / 'eval'}"]))
+    report = evaluate(
+        compose(
+            [
+                f"target.path={ws.target}",
+                f"draft.path={tmp_path / 'out'}",
+                f"eval.prompts={prompts}",
+                "eval.warmup_prompts=0",
+                "decode.max_new_tokens=16",
+                "decode.temperature=0",
+                "target.dtype=float32",
+                f"output_dir={tmp_path / 'eval'}",
+            ]
+        )
+    )
     assert report["greedy_match"] == 1.0
     assert report["settings"]["algorithm"] == "peagle" and report["settings"]["block_size"] == 4
 
@@ -294,7 +313,9 @@ def test_vllm_export_is_eagle3_with_mask_hidden_and_decodes_the_same(qwen3, tmp_
     out = tmp_path / "vllm"
     export_head(head, out, "vllm", dtype="float32")
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["mask_token_id"] == head.config.mask_token_id
+    assert (
+        config["architectures"] == ["LlamaForCausalLMEagle3"] and config["mask_token_id"] == head.config.mask_token_id
+    )
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("mask_hidden").shape == (1, 3 * head.config.target_hidden_size)
         assert "midlayer.self_attn.q_proj.weight" in set(f.keys())

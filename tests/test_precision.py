@@ -53,8 +53,9 @@ def test_eval_loads_target_and_head_in_the_resolved_dtype(tiny_target_dir, flags
     flags("avx512_bf16")
     model, tok, info = load_target(TargetConfig(path=str(tiny_target_dir)), stage="decode")
     assert info.dtype == "bfloat16" and next(model.parameters()).dtype == torch.bfloat16
-    head = random_head(load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))[0], "eagle3",
-                       draft_vocab_size=100)
+    head = random_head(
+        load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))[0], "eagle3", draft_vocab_size=100
+    )
     gen = SpeculativeGenerator(model, head, tok, DecodeConfig(tree="dynamic", max_new_tokens=4))
     assert next(gen.head.parameters()).dtype == torch.bfloat16
     assert len(gen.generate([1, 2, 3]).tokens) >= 1
@@ -87,7 +88,9 @@ def test_draft_dtype_auto_is_bf16_where_native_whatever_the_target(flags):
     assert precision.resolve_draft_dtype("auto", torch.float32, "cpu") == torch.float32
     with pytest.raises(TargetError, match=r"decode.draft_dtype=bfloat16 on cpu: .*avx512_bf16"):
         precision.resolve_draft_dtype("bfloat16", torch.float32, "cpu")
-    with pytest.raises(TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8, int8_weight_only"):
+    with pytest.raises(
+        TargetError, match="decode.draft_weights='int4' is not one of auto, full, int8, int8_weight_only"
+    ):
         precision.resolve_draft_weights("int4", torch.bfloat16, "cpu")
 
 
@@ -96,12 +99,18 @@ def test_draft_weights_int8_for_float32_heads_where_fbgemm_is_there(monkeypatch)
     assert precision.resolve_draft_weights("auto", torch.float32, "cpu") == "int8"
     assert precision.resolve_draft_weights("auto", torch.float32, "cuda") == "full"
     assert precision.resolve_draft_weights("auto", torch.float16, "cpu") == "full"
-    with pytest.raises(TargetError, match=r"decode.draft_weights=int8: int8 draft weights need a bfloat16 or "
-                                          r"float32 head \(here: float16\); set decode.draft_weights=full"):
+    with pytest.raises(
+        TargetError,
+        match=r"decode.draft_weights=int8: int8 draft weights need a bfloat16 or "
+        r"float32 head \(here: float16\); set decode.draft_weights=full",
+    ):
         precision.resolve_draft_weights("int8", torch.float16, "cpu")
     assert precision.resolve_draft_weights("int8_weight_only", torch.bfloat16, "cpu") == "int8_weight_only"
-    with pytest.raises(TargetError, match=r"decode.draft_weights=int8_weight_only: the weight-only int8 kernel "
-                                          r"needs a bfloat16 head \(here: float32\)"):
+    with pytest.raises(
+        TargetError,
+        match=r"decode.draft_weights=int8_weight_only: the weight-only int8 kernel "
+        r"needs a bfloat16 head \(here: float32\)",
+    ):
         precision.resolve_draft_weights("int8_weight_only", torch.float32, "cpu")
     with pytest.raises(TargetError, match=r"int8 draft weights run on a CPU \(here: cuda\)"):
         precision.resolve_draft_weights("int8", torch.bfloat16, "cuda")
@@ -216,8 +225,9 @@ def test_full_precision_draft_head_is_a_fused_copy(tiny_target_dir):
 
     model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
     head = random_head(model, "eagle3", draft_vocab_size=100)
-    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=12, draft_dtype="target",
-                                                            draft_weights="full"))
+    gen = SpeculativeGenerator(
+        model, head, tok, decode_cfg(max_new_tokens=12, draft_dtype="target", draft_weights="full")
+    )
     assert gen.head is not head and gen.head.midlayer.self_attn.qkv_proj is not None
     assert head.midlayer.self_attn.qkv_proj is None and "midlayer.self_attn.q_proj.weight" in head.state_dict()
     ids = [1, 5, 9, 14, 3, 7]
@@ -255,13 +265,15 @@ def test_bf16_int8_head_beside_a_float32_target_keeps_greedy_output(tiny_target_
     head = random_head(model, algorithm, draft_vocab_size=100 if algorithm == "eagle3" else None)
     ids = [1, 5, 9, 14, 3, 7]
     ref = hf_greedy(model, ids, 20)
-    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
-                                                            draft_weights="auto"))
+    gen = SpeculativeGenerator(
+        model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto", draft_weights="auto")
+    )
     assert (gen.draft_dtype, gen.draft_weights) == ("bfloat16", "int8") and has_int8_linears(gen.head)
     assert not has_int8_linears(head) and next(head.parameters()).dtype == torch.float32
     assert gen.generate(ids).tokens == ref
-    weight_only = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
-                                                                    draft_weights="int8_weight_only"))
+    weight_only = SpeculativeGenerator(
+        model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto", draft_weights="int8_weight_only")
+    )
     assert weight_only.draft_weights == "int8_weight_only" and weight_only.generate(ids).tokens == ref
 
 
@@ -278,8 +290,9 @@ def test_float32_int8_head_on_a_cpu_without_bf16_keeps_greedy_output(tiny_target
     model, tok, _ = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32"))
     head = random_head(model, "eagle3", draft_vocab_size=100)
     ids = [1, 5, 9, 14, 3, 7]
-    gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto",
-                                                            draft_weights="auto"))
+    gen = SpeculativeGenerator(
+        model, head, tok, decode_cfg(max_new_tokens=20, draft_dtype="auto", draft_weights="auto")
+    )
     assert (gen.draft_dtype, gen.draft_weights) == ("float32", "int8")
     assert isinstance(gen.head.lm_head, DynamicInt8Linear) and not has_int8_linears(head)
     assert gen.generate(ids).tokens == hf_greedy(model, ids, 20)

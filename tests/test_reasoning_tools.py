@@ -18,19 +18,29 @@ from tests.tiny_models import make_tokenizer
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 
-TOOL_RECORD = {"id": "tools", "messages": [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "reasoning_content": "I should call the weather tool.",
-     "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
-    {"role": "tool", "content": "sunny, 18 degrees"},
-    {"role": "assistant", "content": "It is sunny and 18 degrees.", "reasoning_content": "Report the result."},
-]}
-TWO_TURNS = {"id": "two", "messages": [
-    {"role": "user", "content": "Name a colour."},
-    {"role": "assistant", "content": "Blue.", "reasoning_content": "Any colour will do."},
-    {"role": "user", "content": "Another one?"},
-    {"role": "assistant", "content": "Green.", "reasoning_content": "Not blue again."},
-]}
+TOOL_RECORD = {
+    "id": "tools",
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the weather tool.",
+            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "content": "sunny, 18 degrees"},
+        {"role": "assistant", "content": "It is sunny and 18 degrees.", "reasoning_content": "Report the result."},
+    ],
+}
+TWO_TURNS = {
+    "id": "two",
+    "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue.", "reasoning_content": "Any colour will do."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green.", "reasoning_content": "Not blue again."},
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +61,12 @@ def test_thinking_and_tool_calls_are_trained_tool_results_are_not(qwen3_tok):
     full, trained = _trained_text(qwen3_tok, TOOL_RECORD)
     assert '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' in full
     assert "<tool_response>\nsunny, 18 degrees\n</tool_response>" in full
-    for text in ("I should call the weather tool.", '"name": "weather"', "Report the result.",
-                 "It is sunny and 18 degrees.<|im_end|>"):
+    for text in (
+        "I should call the weather tool.",
+        '"name": "weather"',
+        "Report the result.",
+        "It is sunny and 18 degrees.<|im_end|>",
+    ):
         assert text in trained, text
     assert "sunny, 18 degrees" not in trained and "What is the weather" not in trained
 

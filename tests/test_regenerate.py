@@ -93,12 +93,16 @@ def test_records_keep_the_generated_ids_and_training_reads_those(tiny_qwen2, tmp
             assert m["content"] == tok.decode(ids, skip_special_tokens=True).strip()
             generated.setdefault(cid, []).append(ids)
     # The point of keeping them: the text alone re-tokenises to other ids for some of these answers.
-    assert any(tok(tok.decode(ids, skip_special_tokens=True).strip(), add_special_tokens=False)["input_ids"] != ids
-               for answers in generated.values() for ids in answers)
+    assert any(
+        tok(tok.decode(ids, skip_special_tokens=True).strip(), add_special_tokens=False)["input_ids"] != ids
+        for answers in generated.values()
+        for ids in answers
+    )
     # data=local reads them back; the tokenised conversation's masked tokens are the generated ids, each
     # followed by the template's end-of-turn token.
-    splits = build_splits(DataConfig(source="local", path=str(out), dedup_against=[], heldout_fraction=0.0), tok,
-                          progress=False)
+    splits = build_splits(
+        DataConfig(source="local", path=str(out), dedup_against=[], heldout_fraction=0.0), tok, progress=False
+    )
     assert sorted(tc.id for tc in splits.train) == sorted(generated)
     eot = end_of_turn_ids(tok)[0]
     for tc in splits.train:
@@ -111,8 +115,15 @@ def test_resume_refuses_other_settings_and_corrupt_files(tiny_qwen2, tmp_path):
     out = tmp_path / "regen.jsonl"
     regenerate(model, tok, CONVS[:1], CFG, out, target_fingerprint="t", progress=False)
     with pytest.raises(DataError, match="different settings"):
-        regenerate(model, tok, CONVS, RegenerateConfig(batch_size=2, max_new_tokens=7), out,
-                   target_fingerprint="t", progress=False)
+        regenerate(
+            model,
+            tok,
+            CONVS,
+            RegenerateConfig(batch_size=2, max_new_tokens=7),
+            out,
+            target_fingerprint="t",
+            progress=False,
+        )
     with pytest.raises(DataError, match="target"):
         regenerate(model, tok, CONVS, CFG, out, target_fingerprint="other", progress=False)
     out.write_text("garbage\n" + out.read_text())
@@ -143,8 +154,9 @@ def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny_qwen2, tm
     monkeypatch.setattr(mod, "generate_replies", lambda m, t, prompts, c, s: [[] for _ in prompts])
     monkeypatch.setattr(ContinuousGenerator, "_choose", lambda self, logits, slots: [stop] * len(slots))
     out = tmp_path / "e.jsonl"
-    regenerate(model, tok, CONVS[1:2], RegenerateConfig(batch_size=2, max_new_tokens=6, engine=engine), out,
-               progress=False)
+    regenerate(
+        model, tok, CONVS[1:2], RegenerateConfig(batch_size=2, max_new_tokens=6, engine=engine), out, progress=False
+    )
     assert recover_output(out) == {"b"}  # marked done: a restart does not retry it forever
     with pytest.raises(DataError, match="no_assistant_turn=1"):
         from eagle.data.dataset import build_splits
@@ -158,8 +170,17 @@ def test_cli_stage_on_a_checkpoint_folder(tiny_target_dir, tmp_path):
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
-    cfg = compose([f"target.path={tiny_target_dir}", "target.dtype=float32", "data=local", f"data.path={data}",
-                   "data.dedup_against=[]", f"output_dir={tmp_path / 'run'}", "regenerate.max_new_tokens=4"])
+    cfg = compose(
+        [
+            f"target.path={tiny_target_dir}",
+            "target.dtype=float32",
+            "data=local",
+            f"data.path={data}",
+            "data.dedup_against=[]",
+            f"output_dir={tmp_path / 'run'}",
+            "regenerate.max_new_tokens=4",
+        ]
+    )
     regenerate_stage(cfg)
     out = tmp_path / "run" / "regenerated.jsonl"
     assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == ["a", "b", "c"]

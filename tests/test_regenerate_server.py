@@ -22,13 +22,23 @@ from tests.support.data import CONVS
 from tests.support.servers import ServedModel, free_port, serve_available
 from tests.tiny_models import save_model
 
-pytestmark = pytest.mark.skipif(not serve_available(),
-                                reason="transformers serve cannot be imported: pip install 'transformers[serving]'")
+pytestmark = pytest.mark.skipif(
+    not serve_available(), reason="transformers serve cannot be imported: pip install 'transformers[serving]'"
+)
 
 # CONVS (one of them two turns long, one with a system prompt) and five one-turn conversations.
-CONVERSATIONS = CONVS + [Conversation(f"c{i}", [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}])
-                         for i, p in enumerate(["Explain relativity", "import torch", "Numbers 0 1 2 3",
-                                                "What is speculative decoding?", "Write a short poem about the sea."])]
+CONVERSATIONS = CONVS + [
+    Conversation(f"c{i}", [{"role": "user", "content": p}, {"role": "assistant", "content": "x"}])
+    for i, p in enumerate(
+        [
+            "Explain relativity",
+            "import torch",
+            "Numbers 0 1 2 3",
+            "What is speculative decoding?",
+            "Write a short poem about the sea.",
+        ]
+    )
+]
 REGEN = RegenerateConfig(max_new_tokens=12, requests_per_server=2, request_timeout=120)
 
 
@@ -61,8 +71,9 @@ def served(target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_records(target, tmp_path_factory) -> dict[str, dict]:
     """What the local greedy engine writes for CONVERSATIONS, same folder, float32."""
-    model, tok, info = load_target(TargetConfig(path=str(target), dtype="float32", cpu_gemm="stock"),
-                                   stage="regenerate")
+    model, tok, info = load_target(
+        TargetConfig(path=str(target), dtype="float32", cpu_gemm="stock"), stage="regenerate"
+    )
     out = tmp_path_factory.mktemp("local") / "local.jsonl"
     regenerate(model, tok, CONVERSATIONS, REGEN, out, target_fingerprint=info.fingerprint, progress=False)
     return _by_id(out)
@@ -74,9 +85,19 @@ def test_cli_through_transformers_serve_writes_what_the_local_engine_writes(serv
 
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVERSATIONS))
-    cfg = compose([f"target.path={target}", "data=local", f"data.path={data}", "data.dedup_against=[]",
-                   f"output_dir={tmp_path / 'run'}", "regenerate.max_new_tokens=12", "regenerate.backend=server",
-                   f"regenerate.servers=[{served.url}]", "regenerate.requests_per_server=2"])
+    cfg = compose(
+        [
+            f"target.path={target}",
+            "data=local",
+            f"data.path={data}",
+            "data.dedup_against=[]",
+            f"output_dir={tmp_path / 'run'}",
+            "regenerate.max_new_tokens=12",
+            "regenerate.backend=server",
+            f"regenerate.servers=[{served.url}]",
+            "regenerate.requests_per_server=2",
+        ]
+    )
     regenerate_stage(cfg)
     out = tmp_path / "run" / "regenerated.jsonl"
     got = _by_id(out)

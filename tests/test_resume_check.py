@@ -26,32 +26,70 @@ def _record(tmp_path: Path, *overrides: str):
     return run_record(compose([f"output_dir={tmp_path / 'o'}", f"train.data_dir={data}", "device=cpu", *overrides]))
 
 
-@pytest.mark.parametrize("override", [
-    "train.lr=1e-3", "train.batch_size=8", "train.grad_accum=2", "train.max_length=512", "train.ttt_steps=3",
-    "train.ttt_decay=0.5", "train.warmup_steps=7", "train.schedule=linear", "train.min_lr_ratio=0.5",
-    "train.weight_decay=0.1", "train.betas=[0.9,0.99]", "train.grad_clip=1.0", "train.mixed_precision=bf16",
-    "train.seed=1", "train.mode=online", "draft.algorithm=eagle1", "draft.draft_vocab_size=64",
-    "draft.feature_noise_std=0.1", "draft.aux_layer_ids=[1,2,3]", "target.path=/elsewhere",
-    "draft.fc_norm=true", "draft.norm_output=true", "train.group_by_length=true",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=1e-3",
+        "train.batch_size=8",
+        "train.grad_accum=2",
+        "train.max_length=512",
+        "train.ttt_steps=3",
+        "train.ttt_decay=0.5",
+        "train.warmup_steps=7",
+        "train.schedule=linear",
+        "train.min_lr_ratio=0.5",
+        "train.weight_decay=0.1",
+        "train.betas=[0.9,0.99]",
+        "train.grad_clip=1.0",
+        "train.mixed_precision=bf16",
+        "train.seed=1",
+        "train.mode=online",
+        "draft.algorithm=eagle1",
+        "draft.draft_vocab_size=64",
+        "draft.feature_noise_std=0.1",
+        "draft.aux_layer_ids=[1,2,3]",
+        "target.path=/elsewhere",
+        "draft.fc_norm=true",
+        "draft.norm_output=true",
+        "train.group_by_length=true",
+    ],
+)
 def test_trajectory_keys_are_refused(tmp_path, override):
     changes = compare(_record(tmp_path), _record(tmp_path, override))
     key = override.split("=", 1)[0]
     assert [(c.key, c.kind) for c in changes if c.key == key] == [(key, "trajectory")], changes
 
 
-@pytest.mark.parametrize("override", [
-    "train.max_steps=5000", "train.eval_every=7", "train.eval_batches=2", "train.save_every=9", "train.log_every=3",
-    "train.keep_checkpoints=5", "train.nonfinite=stop", "train.resume=true",
-    "data.max_conversations=10", "capture.shard_size=7",  # offline: the data come from train.data_dir
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.max_steps=5000",
+        "train.eval_every=7",
+        "train.eval_batches=2",
+        "train.save_every=9",
+        "train.log_every=3",
+        "train.keep_checkpoints=5",
+        "train.nonfinite=stop",
+        "train.resume=true",
+        "data.max_conversations=10",
+        "capture.shard_size=7",  # offline: the data come from train.data_dir
+    ],
+)
 def test_free_keys_are_allowed(tmp_path, override):
     changes = compare(_record(tmp_path), _record(tmp_path, override))
     assert changes and all(c.kind == "free" for c in changes), changes
 
 
-@pytest.mark.parametrize("override", ["logger=wandb", "decode.tree_depth=2", "eval.max_prompts=3",
-                                      "regenerate.max_new_tokens=9", "export.dtype=float32"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "logger=wandb",
+        "decode.tree_depth=2",
+        "eval.max_prompts=3",
+        "regenerate.max_new_tokens=9",
+        "export.dtype=float32",
+    ],
+)
 def test_other_stages_settings_are_ignored(tmp_path, override):
     assert compare(_record(tmp_path), _record(tmp_path, override)) == []
 
@@ -84,8 +122,10 @@ def test_auto_mixed_precision_compares_as_what_it_resolves_to(tmp_path):
     from eagle.target.precision import resolve_mixed_precision
 
     resolved = resolve_mixed_precision("auto", "cpu")
-    assert compare(_record(tmp_path, f"train.mixed_precision={resolved}"),
-                   _record(tmp_path, "train.mixed_precision=auto")) == []
+    assert (
+        compare(_record(tmp_path, f"train.mixed_precision={resolved}"), _record(tmp_path, "train.mixed_precision=auto"))
+        == []
+    )
 
 
 def test_keys_an_older_record_lacks_compare_with_their_default(tmp_path):
@@ -121,7 +161,9 @@ def test_follow_schedule_applies_a_new_max_steps_from_the_next_update():
 
     base = cfg4.lr
     # Same max_steps: exactly the saved lr (bit for bit); raised: the new schedule's lr for update 3.
-    assert restored(cfg4) == saved_opt["param_groups"][0]["lr"] == base * lr_factor(2, 1, 4, "cosine", cfg4.min_lr_ratio)
+    assert (
+        restored(cfg4) == saved_opt["param_groups"][0]["lr"] == base * lr_factor(2, 1, 4, "cosine", cfg4.min_lr_ratio)
+    )
     assert restored(cfg8) == base * lr_factor(2, 1, 8, "cosine", cfg8.min_lr_ratio)
     assert restored(cfg8) > restored(cfg4)
 
@@ -214,15 +256,39 @@ def test_regeneration_resume_names_keys_and_checks_the_data(tiny_qwen2, tmp_path
     data = DataConfig(source="local", path=str(tmp_path / "in.jsonl"), max_conversations=1)
     regenerate(model, tok, CONVS[:1], cfg, out, target_fingerprint="t", progress=False, data=data)
     with pytest.raises(DataError) as e:
-        regenerate(model, tok, CONVS, RegenerateConfig(batch_size=2, max_new_tokens=4, temperature=0.7), out,
-                   target_fingerprint="t", progress=False, data=data)
+        regenerate(
+            model,
+            tok,
+            CONVS,
+            RegenerateConfig(batch_size=2, max_new_tokens=4, temperature=0.7),
+            out,
+            target_fingerprint="t",
+            progress=False,
+            data=data,
+        )
     assert "temperature: 0.0 -> 0.7" in str(e.value) and "new file" in str(e.value)
     with pytest.raises(DataError, match="data.path: .*in.jsonl' -> .*other.jsonl'"):
-        regenerate(model, tok, CONVS, cfg, out, target_fingerprint="t", progress=False,
-                   data=DataConfig(source="local", path=str(tmp_path / "other.jsonl"), max_conversations=1))
+        regenerate(
+            model,
+            tok,
+            CONVS,
+            cfg,
+            out,
+            target_fingerprint="t",
+            progress=False,
+            data=DataConfig(source="local", path=str(tmp_path / "other.jsonl"), max_conversations=1),
+        )
     # More conversations of the same data: allowed and noted; the file grows.
     capsys.readouterr()
-    regenerate(model, tok, CONVS, cfg, out, target_fingerprint="t", progress=False,
-               data=DataConfig(source="local", path=str(tmp_path / "in.jsonl"), max_conversations=3))
+    regenerate(
+        model,
+        tok,
+        CONVS,
+        cfg,
+        out,
+        target_fingerprint="t",
+        progress=False,
+        data=DataConfig(source="local", path=str(tmp_path / "in.jsonl"), max_conversations=3),
+    )
     assert "data.max_conversations: 1 -> 3" in capsys.readouterr().err
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]

@@ -66,8 +66,10 @@ def test_tree_walk_has_the_law_of_the_literal_rule():
     both = walk + lit
     expected = both / 2
     keep = expected >= 5
-    stat = float((((walk - expected) ** 2 / expected.clamp(min=1e-9))[keep]).sum()
-                 + (((lit - expected) ** 2 / expected.clamp(min=1e-9))[keep]).sum())
+    stat = float(
+        (((walk - expected) ** 2 / expected.clamp(min=1e-9))[keep]).sum()
+        + (((lit - expected) ** 2 / expected.clamp(min=1e-9))[keep]).sum()
+    )
     df = int(keep.sum()) - 1
     assert stat < df + 3.09 * (2 * df) ** 0.5 + 10, (stat, df)
 
@@ -79,8 +81,7 @@ def test_sampled_decoding_follows_target_distribution_for_each_draft_choice(choi
 
 
 def test_sampled_chain_with_prompt_lookup_follows_target_distribution():
-    _sampled_law_check(400, prompt=(5, 7, 4), lookup_tokens=2, lookup_min_ngram=1, tree_depth=1,
-                       draft_choice="sample")
+    _sampled_law_check(400, prompt=(5, 7, 4), lookup_tokens=2, lookup_min_ngram=1, tree_depth=1, draft_choice="sample")
 
 
 def test_chain_laws_are_the_heads_own_at_each_node():
@@ -96,8 +97,18 @@ def test_chain_laws_are_the_heads_own_at_each_node():
     cache = new_cache()
     with torch.inference_mode():
         root_hidden = head.commit(cache, prompt, feats, torch.arange(0, 6))
-        tree = draft_sampled_chain(head, cache, int(prompt[-1]), root_hidden, 6, 3, temp, top_k, top_p,
-                                   generator=torch.Generator().manual_seed(1))
+        tree = draft_sampled_chain(
+            head,
+            cache,
+            int(prompt[-1]),
+            root_hidden,
+            6,
+            3,
+            temp,
+            top_k,
+            top_p,
+            generator=torch.Generator().manual_seed(1),
+        )
         assert cache_length(cache) == 6  # drafted entries cropped
         assert tree.parents.tolist() == [-1, 0, 1, 2] and tree.depths.tolist() == [0, 1, 2, 3]
         to_target = head.draft_to_target(torch.arange(64))
@@ -131,8 +142,9 @@ def test_config_refuses_sampling_at_t0_and_static_trees():
     with pytest.raises(ConfigError, match="draft_choice=sample needs decode.temperature > 0"):
         compose(["decode.draft_choice=sample"])
     with pytest.raises(ConfigError, match="draft_choice=sample drafts a chain"):
-        compose(["decode.draft_choice=sample", "decode.temperature=0.7", "decode.tree=static",
-                 "decode.static_paths=[[0]]"])
+        compose(
+            ["decode.draft_choice=sample", "decode.temperature=0.7", "decode.tree=static", "decode.static_paths=[[0]]"]
+        )
     with pytest.raises(ConfigError, match="decode.draft_choice"):
         compose(["decode.draft_choice=sampled"])
     assert compose(["decode.temperature=0.7"]).decode.draft_choice == "auto"

@@ -31,8 +31,12 @@ def tok():
 
 
 def _conversations(n: int) -> list[Conversation]:
-    return [Conversation(f"c{i}", [{"role": "user", "content": f"{WORDS[i % 8]} {i}"},
-                                   {"role": "assistant", "content": "ORIGINAL"}]) for i in range(n)]
+    return [
+        Conversation(
+            f"c{i}", [{"role": "user", "content": f"{WORDS[i % 8]} {i}"}, {"role": "assistant", "content": "ORIGINAL"}]
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -178,6 +182,7 @@ def test_an_answer_that_arrives_with_the_last_servers_failure_is_written(tok, se
     """The last server answers one conversation's only turn and fails another's in the same wait; the failure is
     taken first (the order `wait` hands them back in is arbitrary). The answered conversation is complete, so
     its record is written before the run stops: no server is needed to learn that nothing is left to ask."""
+
     def wait_failures_first(futures, return_when):
         done, _ = concurrent.futures.wait(futures)  # both answers in hand
         return sorted(done, key=lambda f: f.exception() is None), set()
@@ -241,12 +246,14 @@ def test_config_validation():
         return validate(RootConfig(regenerate=RegenerateConfig(**kw)))
 
     check(backend="server", servers=["http://127.0.0.1:8000", "https://h/v1"])
-    for kw, match in [({"backend": "remote"}, "regenerate.backend"),
-                      ({"backend": "server"}, "needs regenerate.servers"),
-                      ({"backend": "server", "servers": ["127.0.0.1:8000"]}, "not an http"),
-                      ({"requests_per_server": 0}, "requests_per_server"),
-                      ({"request_timeout": 0}, "request_timeout"),
-                      ({"server_engine": "tgi"}, "server_engine")]:
+    for kw, match in [
+        ({"backend": "remote"}, "regenerate.backend"),
+        ({"backend": "server"}, "needs regenerate.servers"),
+        ({"backend": "server", "servers": ["127.0.0.1:8000"]}, "not an http"),
+        ({"requests_per_server": 0}, "requests_per_server"),
+        ({"request_timeout": 0}, "request_timeout"),
+        ({"server_engine": "tgi"}, "server_engine"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             check(**kw)
 
@@ -254,8 +261,13 @@ def test_config_validation():
 def test_server_list_from_the_command_line():
     from eagle.cli.app import compose
 
-    cfg = compose(["regenerate.backend=server", "regenerate.servers=[http://127.0.0.1:8000,http://10.0.0.2:8001/v1]",
-                   "regenerate.requests_per_server=4"])
+    cfg = compose(
+        [
+            "regenerate.backend=server",
+            "regenerate.servers=[http://127.0.0.1:8000,http://10.0.0.2:8001/v1]",
+            "regenerate.requests_per_server=4",
+        ]
+    )
     assert cfg.regenerate.servers == ["http://127.0.0.1:8000", "http://10.0.0.2:8001/v1"]
     assert cfg.regenerate.requests_per_server == 4
 

@@ -55,10 +55,23 @@ def launch(module: str, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpro
     """`python -m torch.distributed.run --nproc_per_node 2 -m MODULE ARGS`, ended as a whole after
     `timeout` seconds (a deadlocked collective would otherwise wait forever): the launcher runs in a
     session of its own and gets SIGTERM (it stops its workers), then the session SIGKILL."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", module, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        module,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -68,7 +81,9 @@ def launch(module: str, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpro
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        pytest.fail(f"{module} on 2 processes did not finish in {timeout} s (a collective out of step?):\n{err[-3000:]}")
+        pytest.fail(
+            f"{module} on 2 processes did not finish in {timeout} s (a collective out of step?):\n{err[-3000:]}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -137,7 +152,9 @@ def test_eval_batch_count_is_the_busiest_ranks(world):
     for size in range(0, 9):
         for num_items in (1, 4, 8):
             for micro in (1, 2, 3):
-                counts = [len(list(eval_batches(_Items(size), num_items, micro, 64, 0, r, world))) for r in range(world)]
+                counts = [
+                    len(list(eval_batches(_Items(size), num_items, micro, 64, 0, r, world))) for r in range(world)
+                ]
                 assert eval_batch_count(num_items, size, micro, world) == max(counts), (size, num_items, micro, counts)
 
 
@@ -158,9 +175,18 @@ def test_capture_ranks_run_the_same_number_of_target_forwards(monkeypatch, tmp_p
     forwards = []
     for rank in (0, 1):
         calls.clear()
-        runner.capture_splits(runner.FeatureSource.in_process(model, info_for(model)), splits, tmp_path / f"rank{rank}",
-                              cap, "eagle3", None, DATA,
-                              state=FakeRank(rank, 2), progress=False, log=lambda s: None)
+        runner.capture_splits(
+            runner.FeatureSource.in_process(model, info_for(model)),
+            splits,
+            tmp_path / f"rank{rank}",
+            cap,
+            "eagle3",
+            None,
+            DATA,
+            state=FakeRank(rank, 2),
+            progress=False,
+            log=lambda s: None,
+        )
         assert calls.count("real") == counts[rank]
         forwards.append(len(calls))
     assert forwards == [max(counts)] * 2
@@ -215,7 +241,12 @@ def test_sharded_capture_on_two_processes_equals_one_process(tmp_path):
 def test_cli_refuses_fsdp_in_one_process_with_exit_2(tmp_path):
     target = save_model("qwen2", tmp_path / "tiny-qwen2")
     data = write_word_salad(tmp_path / "data.jsonl", 4)
-    cmd = [sys.executable, "-m", "eagle.cli.capture", *cli_args(target, data, tmp_path / "out", 4, 2, "target.shard=fsdp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle.cli.capture",
+        *cli_args(target, data, tmp_path / "out", 4, 2, "target.shard=fsdp"),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "target.shard=fsdp" in r.stderr and "torchrun" in r.stderr and "Traceback" not in r.stderr
@@ -223,12 +254,15 @@ def test_cli_refuses_fsdp_in_one_process_with_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, extra, family", [
-    ("eagle3", {"train__freeze_lm_head": "true"}, "llama"),  # reads the target's LM head rows and final norm
-    ("eagle1", {}, "llama"),  # reads the target's LM head at every step
-    # A hybrid target, its linear-attention layers sharded too (its MoE decoder layer is no draft layer's start).
-    ("eagle3", {"train__init_layer_from_target": "null"}, "qwen3_next"),
-])
+@pytest.mark.parametrize(
+    "algorithm, extra, family",
+    [
+        ("eagle3", {"train__freeze_lm_head": "true"}, "llama"),  # reads the target's LM head rows and final norm
+        ("eagle1", {}, "llama"),  # reads the target's LM head at every step
+        # A hybrid target, its linear-attention layers sharded too (its MoE decoder layer is no draft layer's start).
+        ("eagle3", {"train__init_layer_from_target": "null"}, "qwen3_next"),
+    ],
+)
 def test_sharded_online_training_on_two_processes_equals_one_process(algorithm, extra, family, tmp_path):
     """2 SGD steps of online training with the target sharded over 2 processes == 1 process with the
     whole target, on the same global batch (within float32 summation error, as the DDP test). The tiny

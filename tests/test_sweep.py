@@ -18,8 +18,10 @@ from tests.support.train import Workspace, head_weights, train_overrides
 def test_swept_keys_come_from_sweep_overrides_and_sweeper_params():
     overrides = ["recipe=x", "train.lr=1e-4,3e-4", "train.batch_size=range(2,6,2)", "+foo=interval(0,1)", "a.b=c"]
     assert swept_keys(overrides) == ["train.lr", "train.batch_size", "foo"]
-    assert swept_keys(["train.lr=1e-4"], {"train.lr": "interval(1e-5,1e-3)", "draft.feature_noise_std": "0,0.1"}) \
-        == ["train.lr", "draft.feature_noise_std"]
+    assert swept_keys(["train.lr=1e-4"], {"train.lr": "interval(1e-5,1e-3)", "draft.feature_noise_std": "0,0.1"}) == [
+        "train.lr",
+        "draft.feature_noise_std",
+    ]
 
 
 def test_job_dir_names_read_well_and_parse_back_in_hydra():
@@ -30,8 +32,10 @@ def test_job_dir_names_read_well_and_parse_back_in_hydra():
     assert job_dir_name(3, job, ["train.lr", "train.batch_size"]) == "3_lr-0.0001_batch_size-8"
     # Two keys with the same last component keep their full names; paths keep their last part.
     both = ["train.max_length=64", "data.max_length=128", "data.path=/x/y/convs.jsonl"]
-    assert job_dir_name(1, both, ["train.max_length", "data.max_length", "data.path"]) == \
-        "1_train.max_length-64_data.max_length-128_path-convs.jsonl"
+    assert (
+        job_dir_name(1, both, ["train.max_length", "data.max_length", "data.path"])
+        == "1_train.max_length-64_data.max_length-128_path-convs.jsonl"
+    )
     assert job_dir_name(2, job, []) == "2"  # swept keys unknown (a sweeper's own search space)
     name = job_dir_name(0, ["x.y=a b/c=d,e"], ["x.y"])
     assert "=" not in name and "," not in name and " " not in name
@@ -40,15 +44,39 @@ def test_job_dir_names_read_well_and_parse_back_in_hydra():
 
 
 # --------------------------------------------------------------------------------------- summary
-def _record(tmp: Path, num: int, lr: str, status: str = "ok", tau: float | None = 1.2, stage: str = "train",
-            sweep_id: str = "s1") -> dict:
+def _record(
+    tmp: Path,
+    num: int,
+    lr: str,
+    status: str = "ok",
+    tau: float | None = 1.2,
+    stage: str = "train",
+    sweep_id: str = "s1",
+) -> dict:
     folder = tmp / f"{num}_lr-{lr}"
     folder.mkdir(parents=True, exist_ok=True)
-    figures = ({"step": 10, "best_step": 10, "tau_sim": tau, "acc": [0.3, 0.2], "untrained_tau_sim": 1.0,
-                "curve": [[0, 1.0], [10, tau]]} if stage == "train" else {"tau": tau, "speedup": 0.9})
-    rec = {"sweep_id": sweep_id, "num": num, "stage": stage, "overrides": ["recipe=r", f"train.lr={lr}"],
-           "status": status, "error": None if status == "ok" else "bad\nsecond line", "wall_s": 135.0,
-           "figures": figures if status == "ok" else {}}
+    figures = (
+        {
+            "step": 10,
+            "best_step": 10,
+            "tau_sim": tau,
+            "acc": [0.3, 0.2],
+            "untrained_tau_sim": 1.0,
+            "curve": [[0, 1.0], [10, tau]],
+        }
+        if stage == "train"
+        else {"tau": tau, "speedup": 0.9}
+    )
+    rec = {
+        "sweep_id": sweep_id,
+        "num": num,
+        "stage": stage,
+        "overrides": ["recipe=r", f"train.lr={lr}"],
+        "status": status,
+        "error": None if status == "ok" else "bad\nsecond line",
+        "wall_s": 135.0,
+        "figures": figures if status == "ok" else {},
+    }
     (folder / "sweep_job.json").write_text(json.dumps(rec))
     return rec
 
@@ -103,10 +131,18 @@ def test_eval_summary_labels_approximate_jobs(tmp_path):
 # --------------------------------------------------------------------------------------- multirun CLI
 def _sweep(ws: Workspace, root: Path, *extra: str) -> subprocess.CompletedProcess:
     replaced = {"train.lr", *(e.split("=", 1)[0] for e in extra)}
-    ov = [o for o in train_overrides(root, ws.capture, steps=2, train__eval_every=2, train__save_every=2)
-          if o.split("=", 1)[0] not in replaced]
-    return subprocess.run([str(BIN / "eagle-train"), "-m", *ws.base, *ov, "train.lr=1e-3,1e-2", *extra],
-                          capture_output=True, text=True, env=cli_env(), timeout=600)
+    ov = [
+        o
+        for o in train_overrides(root, ws.capture, steps=2, train__eval_every=2, train__save_every=2)
+        if o.split("=", 1)[0] not in replaced
+    ]
+    return subprocess.run(
+        [str(BIN / "eagle-train"), "-m", *ws.base, *ov, "train.lr=1e-3,1e-2", *extra],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=600,
+    )
 
 
 @pytest.mark.slow  # two eagle-train multiruns in subprocesses
@@ -117,7 +153,11 @@ def test_two_job_multirun_gives_two_heads_and_a_summary(ws3, tmp_path):
     jobs = sorted(p.name for p in root.iterdir() if p.is_dir())
     assert jobs == ["0_lr-0.001", "1_lr-0.01"]
     assert {p.name for p in root.iterdir() if p.is_file()} == {
-        "multirun.yaml", "sweep_summary.md", "sweep_summary.json", "sweep_tau_sim.png"}
+        "multirun.yaml",
+        "sweep_summary.md",
+        "sweep_summary.json",
+        "sweep_tau_sim.png",
+    }
     for job in jobs:  # every artifact of the job in its own folder
         assert (root / job / "best" / "model.safetensors").is_file() and (root / job / "train_config.yaml").is_file()
         assert f"output_dir: {root / job}" in (root / job / "train_config.yaml").read_text()

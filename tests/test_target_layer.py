@@ -63,7 +63,7 @@ def test_copy_puts_the_target_layer_where_the_draft_layer_reads_it(target, algo)
         torch.testing.assert_close(draft.input_layernorm.weight, before.input_layernorm.weight)  # embeds: untouched
         k = len(head.config.aux_layer_ids)
         expected_fc = torch.zeros(h, k * h)
-        expected_fc[:, (k - 1) * h:] = torch.eye(h)
+        expected_fc[:, (k - 1) * h :] = torch.eye(h)
         torch.testing.assert_close(head.fc.weight, expected_fc, rtol=0, atol=0)
     else:
         torch.testing.assert_close(head.fc.weight, torch.cat((torch.zeros(h, h), torch.eye(h)), dim=1), rtol=0, atol=0)
@@ -125,8 +125,9 @@ def test_bad_layer_index_and_non_llama_layers_are_refused_by_name():
 
 def test_narrower_mlp_is_refused_naming_the_option():
     model = make_model("llama")[0]
-    cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None,
-                                                            intermediate_size=8))
+    cfg = head_config_from_target(
+        model.config, DraftConfig(algorithm="eagle3", draft_vocab_size=None, intermediate_size=8)
+    )
     head = build_head(cfg, model)
     with pytest.raises(ConfigError, match="draft.intermediate_size"):
         head.start_from_target_layer(pick_target_layer(model, -1)[1])
@@ -150,8 +151,9 @@ def test_frozen_lm_head_reads_the_head_output_as_the_target_reads_its_last_state
         state = torch.randn(2, 5, h)  # [B, T, H]
         with torch.no_grad():
             expected = model.get_output_embeddings()(final(state))  # [B, T, V]
-            torch.testing.assert_close(head.logits(head.norm(state) if head.config.norm_output else state),
-                                       expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                head.logits(head.norm(state) if head.config.norm_output else state), expected, rtol=1e-5, atol=1e-5
+            )
         assert not any(p.requires_grad for p in head.lm_head.parameters())
         assert all(p.requires_grad for n, p in head.named_parameters() if not n.startswith("lm_head"))
     finally:

@@ -205,8 +205,12 @@ def test_aux_layer_ids_have_one_valid_range_everywhere():
             check_layer_ids(bad, 4)
     model, _ = make_model("llama")  # 4 layers
     with pytest.raises(ConfigError, match=r"\[0, 3\]"):
-        head_config_from_target(model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 4], draft_vocab_size=None))
-    head_cfg = head_config_from_target(model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=None))
+        head_config_from_target(
+            model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 4], draft_vocab_size=None)
+        )
+    head_cfg = head_config_from_target(
+        model.config, DraftConfig(algorithm="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=None)
+    )
     check_head_fits_target(head_cfg, model)
     head_cfg.aux_layer_ids = [1, 2, 4]  # e.g. a head written by an older eagle that allowed id L
     with pytest.raises(CheckpointError, match=r"outside the target's \[0, 3\]"):
@@ -250,8 +254,10 @@ def test_concurrent_gguf_conversions_take_turns(tmp_path, monkeypatch):
 
     monkeypatch.setattr(targets, "_convert_gguf_locked", fake_convert)
     results: list = []
-    threads = [threading.Thread(target=lambda: results.append(targets.convert_gguf(gguf, tmp_path / "cache")))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(targets.convert_gguf(gguf, tmp_path / "cache")))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -41,11 +41,17 @@ EXPECTED: dict[str, list[tuple[str, int]]] = {
         ("\n", 0),
     ],
     "llama": [
-        ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-         "<|start_header_id|>user<|end_header_id|>\n\nhello!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        (
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nhello!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+            0,
+        ),
         ("Hi, how can I help?<|eot_id|>", 1),
-        ("<|start_header_id|>user<|end_header_id|>\n\nWrite a poem<|eot_id|>"
-         "<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        (
+            "<|start_header_id|>user<|end_header_id|>\n\nWrite a poem<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            0,
+        ),
         ("The sea is wide<|eot_id|>", 1),
     ],
     "mistral": [
@@ -55,8 +61,11 @@ EXPECTED: dict[str, list[tuple[str, int]]] = {
         ("The sea is wide</s>", 1),
     ],
     "gemma3": [
-        ("<bos><start_of_turn>system\nBe brief.<end_of_turn>\n<start_of_turn>user\nhello!<end_of_turn>\n"
-         "<start_of_turn>model\n", 0),
+        (
+            "<bos><start_of_turn>system\nBe brief.<end_of_turn>\n<start_of_turn>user\nhello!<end_of_turn>\n"
+            "<start_of_turn>model\n",
+            0,
+        ),
         ("Hi, how can I help?<end_of_turn>", 1),
         ("\n<start_of_turn>user\nWrite a poem<end_of_turn>\n<start_of_turn>model\n", 0),
         ("The sea is wide<end_of_turn>", 1),
@@ -93,7 +102,9 @@ def test_mask_matches_hand_written_rendering(family):
 def test_piecewise_tokenisation_matches_offsets(family):
     tok = make_tokenizer(family)
     text, spans, _ = assistant_char_spans(tok, MESSAGES)
-    assert tokenize_with_mask(tok, text, spans, use_offsets=True) == tokenize_with_mask(tok, text, spans, use_offsets=False)
+    assert tokenize_with_mask(tok, text, spans, use_offsets=True) == tokenize_with_mask(
+        tok, text, spans, use_offsets=False
+    )
 
 
 def test_masked_tokens_decode_to_answers_plus_end_of_turn():
@@ -136,13 +147,21 @@ def test_fallback_when_template_rewrites_history():
 def test_repeated_answers_map_to_successive_turns_in_fallback():
     tok = make_tokenizer("qwen3")
     tok.chat_template = DROPS_HISTORY
-    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "b"}, {"role": "assistant", "content": "done"}]
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "done"},
+    ]
     text, spans, fallbacks = assistant_char_spans(tok, msgs)
     assert fallbacks == 2
-    assert [text[s:e] for s, e in spans] == ["ok<|im_end|>", "ok<|im_end|>",
-                                             "<think>\nreasoning\n</think>\n\ndone<|im_end|>"]
+    assert [text[s:e] for s, e in spans] == [
+        "ok<|im_end|>",
+        "ok<|im_end|>",
+        "<think>\nreasoning\n</think>\n\ndone<|im_end|>",
+    ]
     assert spans[0][1] < spans[1][0]
     # The second "ok" answer is the one after the user's "ok", not the user turn itself.
     assert text[: spans[1][0]].endswith("<|im_start|>assistant\n")
@@ -171,7 +190,9 @@ def test_overflow_truncate_drop_and_empty_mask():
 def test_long_conversations_truncate_as_if_fully_tokenised():
     tok = make_tokenizer("llama")
     words = " ".join(f"word{k % 7} ünïcödé 🙂" for k in range(400))
-    conv = Conversation("c", [{"role": "user", "content": "hi " + words[:300]}, {"role": "assistant", "content": words}])
+    conv = Conversation(
+        "c", [{"role": "user", "content": "hi " + words[:300]}, {"role": "assistant", "content": words}]
+    )
     text, spans, _ = assistant_char_spans(tok, conv.messages)
     ids, mask = tokenize_with_mask(tok, text, spans)
     first = mask.index(1)
@@ -196,8 +217,11 @@ def test_smollm2_tokenizer_mask():
     msgs = MESSAGES[1:]  # no system turn: SmolLM2's template inserts its default system prompt
     tc = tokenize_conversation(Conversation("c", msgs), tok, 4096, "truncate")
     pieces = [
-        ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-         "<|im_start|>user\nhello!<|im_end|>\n<|im_start|>assistant\n", 0),
+        (
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nhello!<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
         ("Hi, how can I help?<|im_end|>", 1),
         ("\n<|im_start|>user\nWrite a poem<|im_end|>\n<|im_start|>assistant\n", 0),
         ("The sea is wide<|im_end|>", 1),

@@ -80,13 +80,25 @@ def test_stored_ids_are_the_masked_tokens_and_the_template_tokens_stay(family, u
 LONG = " ".join(f"word{k % 7} ünïcödé 🙂" for k in range(60))
 GOLDEN_CONVERSATIONS = [
     (None, MESSAGES),
-    (None, [{"role": "user", "content": " padded question \n"}, {"role": "assistant", "content": "\n an answer \n\n"},
-            {"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a + b\n"}]),
+    (
+        None,
+        [
+            {"role": "user", "content": " padded question \n"},
+            {"role": "assistant", "content": "\n an answer \n\n"},
+            {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "    return a + b\n"},
+        ],
+    ),
     (None, [{"role": "user", "content": "hi " + LONG[:90]}, {"role": "assistant", "content": LONG}]),
     (DROPS_HISTORY, MESSAGES),  # not prefix-consistent: fallback turns
 ]
-GOLDEN_SETTINGS = [(4096, "truncate", None), (4096, "truncate", False), (40, "truncate", None), (40, "drop", None),
-                   (90, "truncate", False)]
+GOLDEN_SETTINGS = [
+    (4096, "truncate", None),
+    (4096, "truncate", False),
+    (40, "truncate", None),
+    (40, "drop", None),
+    (90, "truncate", False),
+]
 GOLDEN = {
     "llama": "55ef7ac08f8af1ee",
     "qwen2": "e379105284ffbe5f",
@@ -132,12 +144,16 @@ def test_whitespace_the_record_stripped_comes_back_with_the_ids():
 
 # Llama-2's shape: the template puts a space before the answer and another before </s> (no generation
 # prompt: the target answers right after [/INST]).
-LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-          "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")
+LLAMA2 = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
 # A generation prompt that ends in a space: in the full rendering the space and the answer's first word
 # are one token.
-SPACE_PROMPT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")
+SPACE_PROMPT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 ONE_TURN = [{"role": "user", "content": "hello!"}, {"role": "assistant", "content": "Hi, how can I help?"}]
 
 
@@ -146,16 +162,18 @@ def test_template_whitespace_around_the_answer_is_not_doubled(use_offsets):
     tok = make_tokenizer("mistral")
     tok.chat_template = LLAMA2
     stored = ids_of(tok, " Hi, how can I help?")  # generated after "[/INST]": the space is the target's
-    tc, _ = tokenize_with_reason(Conversation("c", with_ids(ONE_TURN, lambda c: stored)), tok, 4096, "truncate",
-                                 use_offsets)
+    tc, _ = tokenize_with_reason(
+        Conversation("c", with_ids(ONE_TURN, lambda c: stored)), tok, 4096, "truncate", use_offsets
+    )
     prompt = ids_of(tok, "<s>[INST] hello! [/INST]")
     assert tc.input_ids == prompt + stored + [tok.eos_token_id]
     assert tc.loss_mask == [0] * len(prompt) + [1] * (len(stored) + 1)
     assert tc.id_turns == 1
 
 
-@pytest.mark.parametrize("use_offsets, trimmed", [(True, False), (True, True), (False, False)],
-                         ids=["offsets", "trimmed-offsets", "pieces"])
+@pytest.mark.parametrize(
+    "use_offsets, trimmed", [(True, False), (True, True), (False, False)], ids=["offsets", "trimmed-offsets", "pieces"]
+)
 def test_a_token_straddling_the_prompt_end_is_split_there(use_offsets, trimmed):
     from tokenizers import processors
 
@@ -166,8 +184,9 @@ def test_a_token_straddling_the_prompt_end_is_split_there(use_offsets, trimmed):
     messages = [{"role": "user", "content": "hello!"}, {"role": "assistant", "content": "sea is wide"}]
     assert tok.convert_ids_to_tokens(ids_of(tok, " sea")) == ["Ġsea"]  # one token in the full rendering
     stored = odd_split(tok, "sea is wide")
-    tc, _ = tokenize_with_reason(Conversation("c", with_ids(messages, lambda c: stored)), tok, 4096, "truncate",
-                                 use_offsets)
+    tc, _ = tokenize_with_reason(
+        Conversation("c", with_ids(messages, lambda c: stored)), tok, 4096, "truncate", use_offsets
+    )
     prompt = ids_of(tok, "user: hello!\nassistant: ")  # the prompt as the target saw it: ends with "Ġ"
     assert tok.convert_ids_to_tokens(prompt[-1]) == "Ġ"
     newline = ids_of(tok, "\n")  # no special end-of-turn token: the template's newline is the answer's end
@@ -204,9 +223,11 @@ def test_ids_that_cannot_stand_for_the_text_fall_back_to_it_and_are_counted():
         assert (tc.input_ids, tc.loss_mask) == (plain.input_ids, plain.loss_mask), name
     # The template's text after the answer merges with its last word ("wi" + "de" -> "wide"): the token
     # cannot be split there correctly, so that turn keeps its text.
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                         "{% if m['role'] == 'assistant' %}de{% endif %}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}de{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     messages = [ONE_TURN[0], {"role": "assistant", "content": "The sea is wi"}]
     assert "wide" in tok.convert_ids_to_tokens(ids_of(tok, "The sea is wide"))[-1]
     plain = tokenize_conversation(Conversation("c", messages), tok, 4096, "truncate")
@@ -256,8 +277,12 @@ def test_smollm2_non_canonical_splits_reach_training_as_generated():
     from eagle.target.loading import load_tokenizer
 
     tok = load_tokenizer(TargetConfig())
-    stored = (ids_of(tok, "Bre") + ids_of(tok, "ndon Burch:") + tok.convert_tokens_to_ids(["ĊĊ"])
-              + ids_of(tok, "1. Self-care\n"))
+    stored = (
+        ids_of(tok, "Bre")
+        + ids_of(tok, "ndon Burch:")
+        + tok.convert_tokens_to_ids(["ĊĊ"])
+        + ids_of(tok, "1. Self-care\n")
+    )
     content = tok.decode(stored, skip_special_tokens=True).strip()
     assert content == "Brendon Burch:\n\n1. Self-care" and ids_of(tok, content) != stored
     messages = [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": content, "token_ids": stored}]

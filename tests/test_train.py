@@ -122,19 +122,25 @@ def test_loss_falls_on_a_fixed_batch(fam, algorithm):
     attn = torch.zeros((2, width), dtype=torch.bool)
     for i, r in enumerate(rows):
         ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), True
-    head_cfg = head_config_from_target(model.config, DraftConfig(algorithm=algorithm, draft_vocab_size=None,
-                                                                 aux_layer_ids=None))
+    head_cfg = head_config_from_target(
+        model.config, DraftConfig(algorithm=algorithm, draft_vocab_size=None, aux_layer_ids=None)
+    )
     torch.manual_seed(0)
     head = build_head(head_cfg, target_model=model)
     feats = extract_features(model, ids, attn.long(), head_cfg.aux_layer_ids or None)
-    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone(),
-             **{k: v.clone() for k, v in feats.items()}}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "loss_mask": attn.clone(),
+        **{k: v.clone() for k, v in feats.items()},
+    }
     lm_head = model.get_output_embeddings()
     steps = 1 if algorithm == "eagle1" else 3
     floor = _soft_ce_floor(batch, lm_head, steps, 0.8, 0.1, algorithm, tok.pad_token_id)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    settings = LossSettings(steps=steps, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0,
-                            pad_id=tok.pad_token_id)
+    settings = LossSettings(
+        steps=steps, decay=0.8, feature_weight=1.0, token_weight=0.1, noise_std=0.0, pad_id=tok.pad_token_id
+    )
     losses, accs = [], []
     for _ in range(60):
         parts = get_algorithm(algorithm).forward_loss(head, lm_head, batch, settings, norms=None)
@@ -160,8 +166,7 @@ def test_offline_and_online_batches_are_the_same(ws3, tmp_path):
     splits = build_splits(cfg.data, tok, progress=False)
     aux = [1, 2, 3]  # default_aux_layer_ids for the 4-layer tiny target
     offline = BatchStream(OfflineSplit(ws3.capture, "train", seed=0), 0, 4, 2, 48, tok.pad_token_id)
-    online = BatchStream(OnlineSplit(splits.train, cfg.capture.shard_size, target, aux), 0, 4, 2, 48,
-                         tok.pad_token_id)
+    online = BatchStream(OnlineSplit(splits.train, cfg.capture.shard_size, target, aux), 0, 4, 2, 48, tok.pad_token_id)
     for _ in range(7):  # crosses an epoch boundary (18 items / 4 per step)
         mo, io = offline.next_step()
         mn, in_ = online.next_step()
@@ -263,8 +268,9 @@ def test_offline_training_writes_a_loadable_best_head(ws3, tmp_path):
     m = result.eval_metrics
     assert m["tau_sim"] == pytest.approx(simulated_tau([m[f"acc_{i}"] for i in range(3)])) and "acc_3" not in m
     assert m["loss"] < result.initial_eval_metrics["loss"]  # 6 steps at lr 3e-3 already learn something
-    assert result.best_metric == max(r["tau_sim"] for r in map(json.loads, (out / "metrics.jsonl").open())
-                                     if r["split"] == "eval")
+    assert result.best_metric == max(
+        r["tau_sim"] for r in map(json.loads, (out / "metrics.jsonl").open()) if r["split"] == "eval"
+    )
     target, _, _ = load_target(ws3.cfg(out).target)
     head = load_head(resolve_head_dir(out), target_model=target, algorithm="eagle3")
     assert head.config.draft_vocab_size == 128 and int(head.t2d.sum()) == 128
@@ -287,13 +293,16 @@ BF16_GROUPED = {"train__mixed_precision": "bf16", "train__group_by_length": True
 needs_bf16 = pytest.mark.skipif(not _bf16_native(), reason="this CPU has no native bf16")
 
 
-@pytest.mark.parametrize("which, online, extra", [
-    ("ws1", False, {"draft__feature_noise_std": 0.2}),
-    ("ws3", False, {}),
-    # The CPU recipe's settings: bf16 autocast and length-grouped batches, offline and online.
-    pytest.param("ws3", False, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped"),
-    pytest.param("ws3", True, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped-online"),
-])
+@pytest.mark.parametrize(
+    "which, online, extra",
+    [
+        ("ws1", False, {"draft__feature_noise_std": 0.2}),
+        ("ws3", False, {}),
+        # The CPU recipe's settings: bf16 autocast and length-grouped batches, offline and online.
+        pytest.param("ws3", False, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped"),
+        pytest.param("ws3", True, BF16_GROUPED, marks=needs_bf16, id="ws3-bf16-grouped-online"),
+    ],
+)
 def test_interrupt_and_resume_is_bit_exact(which, online, extra, request, tmp_path):
     """Run 7 steps straight vs crash after step 5 (last checkpoint at 4), resume: same weights."""
     from eagle.train.trainer import TrainHooks, train
@@ -354,9 +363,10 @@ def test_bf16_and_fp32_training_reach_the_same_loss(ws3, tmp_path, bf16_anywhere
     loss is within 1% of float32's (measured: 0.01%) and both improve on the untrained head."""
     from eagle.train.trainer import train
 
-    runs = {mp: train(ws3.cfg(tmp_path / mp, steps=8, train__mixed_precision=mp, train__eval_every=8,
-                              train__lr=3e-3))
-            for mp in ("no", "bf16")}
+    runs = {
+        mp: train(ws3.cfg(tmp_path / mp, steps=8, train__mixed_precision=mp, train__eval_every=8, train__lr=3e-3))
+        for mp in ("no", "bf16")
+    }
     fp32, bf16 = runs["no"].eval_metrics["loss"], runs["bf16"].eval_metrics["loss"]
     assert abs(bf16 - fp32) <= 0.01 * fp32
     for r in runs.values():
@@ -372,8 +382,13 @@ def test_bf16_mixed_precision_trains_on_half_precision_captures(ws3, tmp_path, b
 
     base = [o for o in ws3.base if not o.startswith("capture.dtype=")] + [f"capture.dtype={capture_dtype}"]
     run_capture(compose(base + [f"output_dir={tmp_path / 'cap'}"]))
-    result = train(compose(base + train_overrides(tmp_path / "o", tmp_path / "cap", steps=2)
-                           + ["train.mixed_precision=bf16", "train.eval_every=2"]))
+    result = train(
+        compose(
+            base
+            + train_overrides(tmp_path / "o", tmp_path / "cap", steps=2)
+            + ["train.mixed_precision=bf16", "train.eval_every=2"]
+        )
+    )
     assert result.step == 2 and not result.skipped_steps
     assert math.isfinite(result.eval_metrics["loss"])
 
@@ -548,8 +563,9 @@ def _read_wandb_history(path: Path) -> list[dict]:
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(raw)
         if rec.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in rec.history.item})
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            )
     return rows
 
 
@@ -597,10 +613,17 @@ def test_schedule_over_minutes_decays_by_the_clock_and_resumes_it(ws3, tmp_path,
     clock = iter(range(0, 100_000, 30))  # every perf_counter() call advances 30 s
     monkeypatch.setattr(trainer.time, "perf_counter", lambda: float(next(clock)))
     seen: list[tuple[float, float]] = []  # (share of the budget spent, lr of the next update)
-    hooks = trainer.TrainHooks(on_step_end=lambda step: seen.append((run.budget_spent(), run.scheduler.get_last_lr()[0])))
+    hooks = trainer.TrainHooks(
+        on_step_end=lambda step: seen.append((run.budget_spent(), run.scheduler.get_last_lr()[0]))
+    )
     out = tmp_path / "o"
-    extra = {"train__schedule_over": "minutes", "train__warmup_steps": 0, "train__eval_every": 1000,
-             "train__lr": 1e-3, "train__min_lr_ratio": 0.1}
+    extra = {
+        "train__schedule_over": "minutes",
+        "train__warmup_steps": 0,
+        "train__eval_every": 1000,
+        "train__lr": 1e-3,
+        "train__min_lr_ratio": 0.1,
+    }
     run = trainer.TrainRecipe(ws3.cfg(out, steps=1000, train__max_minutes=30.0, **extra), hooks)
     first = run.train()
     assert first.stopped == "max_minutes" and 2 < first.step < 100
@@ -684,8 +707,9 @@ def test_init_layer_from_target_is_the_head_training_starts_from(ws3, tmp_path, 
     layer = target.model.layers[-1]
     torch.testing.assert_close(head.midlayer.mlp.down_proj.weight, layer.mlp.down_proj.weight, rtol=0, atol=1e-9)
     h = head.config.hidden_size
-    torch.testing.assert_close(head.midlayer.self_attn.q_proj.weight[:, h:], layer.self_attn.q_proj.weight,
-                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        head.midlayer.self_attn.q_proj.weight[:, h:], layer.self_attn.q_proj.weight, rtol=0, atol=1e-9
+    )
     with pytest.raises(ConfigError, match="init_layer_from_target=-1 starts a fresh head.*set one of them"):
         ws3.cfg(tmp_path / "y", train__init_layer_from_target=-1, train__init_from=final_head(tmp_path / "l", 1))
 

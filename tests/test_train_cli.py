@@ -32,7 +32,10 @@ def test_cli_trains_and_prints_heldout_metrics(ws3, tmp_path):
 def test_cli_refuses_a_missing_capture(ws3, tmp_path):
     proc = subprocess.run(
         [str(BIN / "eagle-train"), *ws3.base, *train_overrides(tmp_path / "o", tmp_path / "nope", steps=2)],
-        capture_output=True, text=True, env=cli_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=300,
     )
     assert proc.returncode == 2 and "manifest.json does not exist" in proc.stderr
 
@@ -45,9 +48,26 @@ def test_two_gloo_processes_match_one_process(ws3, tmp_path):
     sgd = {**SGD_STEP, "train__lr": 0.5}
     one, two = tmp_path / "one", tmp_path / "two"
     _run([str(BIN / "eagle-train"), *ws3.base, *train_overrides(one, ws3.capture, steps, **sgd)])
-    _run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "eagle.cli.train",
-          *ws3.base, *train_overrides(two, ws3.capture, steps, **sgd)], timeout=600)
+    _run(
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "eagle.cli.train",
+            *ws3.base,
+            *train_overrides(two, ws3.capture, steps, **sgd),
+        ],
+        timeout=600,
+    )
     ck = Path("checkpoints") / f"step-{steps:07d}"
     assert (two / ck / "rng" / "rank-00001.pt").is_file()  # really two ranks
     assert_same_update(head_weights(one / ck / "head"), head_weights(two / ck / "head"))

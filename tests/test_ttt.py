@@ -25,11 +25,13 @@ def test_fast_mask_matches_reference(T, steps, data):
 
 def test_mask_pattern_explicit():
     m = reference_ttt_mask(3, 3, 2)[0, 0].int()
-    expected = torch.tensor([
-        [1, 0, 0, 1, 0, 0, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0, 1, 0],
-        [1, 1, 1, 0, 0, 1, 0, 0, 1],
-    ])
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 1, 0, 0, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0, 1, 0],
+            [1, 1, 1, 0, 0, 1, 0, 0, 1],
+        ]
+    )
     assert torch.equal(m, expected)
 
 

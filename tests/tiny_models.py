@@ -79,21 +79,32 @@ _QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</
 
 # template, special tokens, bos, eos
 TEMPLATES: dict[str, tuple[str, list[str], str | None, str]] = {
-    "llama": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-              "<|begin_of_text|>", "<|eot_id|>"),
+    "llama": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
     "qwen2": (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
-    "qwen3": (CHATML_THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
-              "<|im_end|>"),
+    "qwen3": (CHATML_THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>"),
     "mistral": (MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
     "gemma3": (GEMMA, ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>"),
     "qwen3_next": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
     "qwen3_5": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
     "qwen3_moe": (CHATML_THINK, _QWEN3_SPECIALS, None, "<|im_end|>"),
-    "gpt_oss": (HARMONY, ["<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
-                None, "<|return|>"),
+    "gpt_oss": (
+        HARMONY,
+        ["<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
+        None,
+        "<|return|>",
+    ),
     "mixtral": (MISTRAL, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
-    "deepseek_v3": (DEEPSEEK, ["<|end_of_sentence|>", "<|begin_of_sentence|>", "<|User|>", "<|Assistant|>"],
-                    "<|begin_of_sentence|>", "<|end_of_sentence|>"),
+    "deepseek_v3": (
+        DEEPSEEK,
+        ["<|end_of_sentence|>", "<|begin_of_sentence|>", "<|User|>", "<|Assistant|>"],
+        "<|begin_of_sentence|>",
+        "<|end_of_sentence|>",
+    ),
 }
 
 _CORPUS = [
@@ -185,28 +196,52 @@ def _more_config(family: str, common: dict, num_layers: int):
         Qwen3NextConfig,
     )
 
-    hybrid = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4,
-                  layer_types=["linear_attention", "full_attention"] * (num_layers // 2))
+    hybrid = dict(
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"] * (num_layers // 2),
+    )
     moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
     if family == "qwen3_next":
-        return Qwen3NextConfig(**common, **hybrid, **moe, num_experts=4, shared_expert_intermediate_size=32,
-                               tie_word_embeddings=False)
+        return Qwen3NextConfig(
+            **common, **hybrid, **moe, num_experts=4, shared_expert_intermediate_size=32, tie_word_embeddings=False
+        )
     if family == "qwen3_5":
         return Qwen3_5TextConfig(**common, **hybrid, tie_word_embeddings=True)
     if family == "gpt_oss":
-        return GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
-                            tie_word_embeddings=False)
+        return GptOssConfig(
+            **common,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            tie_word_embeddings=False,
+        )
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, **moe, head_dim=16, num_experts=4, tie_word_embeddings=False)
     if family == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
     if family == "deepseek_v3":  # MLA: every head has its own latent keys and values
-        return DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]}, **moe,
-                                n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
-                                first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                                qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
+        return DeepseekV3Config(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]},
+            **moe,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            tie_word_embeddings=False,
+        )
     raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MORE_FAMILIES}")
 
 
@@ -220,8 +255,9 @@ def make_model(family: str, seed: int = 0, num_layers: int = LAYERS, hidden: int
     cfg.eos_token_id = tok.eos_token_id
     cfg.bos_token_id = tok.bos_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                             attn_implementation=attention_implementation("auto", cfg))
+    model = AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, attn_implementation=attention_implementation("auto", cfg)
+    )
     # Random init at std 0.02 gives near-uniform next-token distributions; a larger output scale
     # makes greedy choices and acceptance decisions non-trivial in tests.
     with torch.no_grad():

@@ -155,15 +155,21 @@ class Algorithm(ABC):
         """Refuse settings this algorithm cannot honour, naming the key (`eagle.algorithms.check_config`)."""
         t, name = cfg.train, self.name
         if t.position_weights == "dpace" and not self.takes_dpace:
-            raise ConfigError(f"train.position_weights=dpace weighs the positions of a DFlash block by the head's "
-                              f"confidence; draft.algorithm={name} weighs its steps by depth: use auto, uniform or "
-                              "decay")
+            raise ConfigError(
+                f"train.position_weights=dpace weighs the positions of a DFlash block by the head's "
+                f"confidence; draft.algorithm={name} weighs its steps by depth: use auto, uniform or "
+                "decay"
+            )
         if t.loss != "ce" and not self.takes_lk_losses:
-            raise ConfigError(f"train.loss={t.loss}: {self.title} trains a feature regression beside its token loss; "
-                              "the LK losses are for algorithms that draft from a token law (or train.loss=ce)")
+            raise ConfigError(
+                f"train.loss={t.loss}: {self.title} trains a feature regression beside its token loss; "
+                "the LK losses are for algorithms that draft from a token law (or train.loss=ce)"
+            )
         if t.freeze_lm_head and not self.owns_lm_head:
-            raise ConfigError(f"train.freeze_lm_head=true: draft.algorithm={name} has no LM head of its own (it reads "
-                              "the target's, which is never trained); drop the option")
+            raise ConfigError(
+                f"train.freeze_lm_head=true: draft.algorithm={name} has no LM head of its own (it reads "
+                "the target's, which is never trained); drop the option"
+            )
 
     def block_drafts(self, cfg: HeadConfig) -> int | None:
         """Draft tokens one pass gives, for a head that drafts a block (what an engine must be told as
@@ -191,8 +197,15 @@ class Algorithm(ABC):
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
-        return LossSettings(steps=train.ttt_steps, decay=unroll_decay(train), feature_weight=train.feature_loss_weight,
-                            token_weight=train.token_loss_weight, noise_std=0.0, pad_id=pad_id, loss=train.loss)
+        return LossSettings(
+            steps=train.ttt_steps,
+            decay=unroll_decay(train),
+            feature_weight=train.feature_loss_weight,
+            token_weight=train.token_loss_weight,
+            noise_std=0.0,
+            pad_id=pad_id,
+            loss=train.loss,
+        )
 
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
         """Weights of each step's loss and of each extra metric in the logged total `loss`."""
@@ -213,8 +226,15 @@ class Algorithm(ABC):
         return [float(m.sum()) for m in step_masks(a["loss_mask"], a["valid"], settings.steps)]
 
     @abstractmethod
-    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
-                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+    def forward_loss(
+        self,
+        head: DraftHead,
+        lm_head: nn.Module,
+        batch: dict[str, Any],
+        settings: LossSettings,
+        norms: torch.Tensor | None,
+        label_rows: torch.Tensor | None = None,
+    ) -> LossParts:
         """Loss of one collated micro-batch with features (`eagle.train.batches`); `norms` [steps]
         are the global loss-token counts (None = this batch's own)."""
 
@@ -252,14 +272,21 @@ class Algorithm(ABC):
         if fmt not in self.export_formats:
             reason = self.format_refusals.get(fmt)
             article = "an" if self.title[0] in "AEIOU" else "a"
-            raise ExportError(f"format={fmt} cannot express {article} {self.title} head" + (f" ({reason})" if reason else "")
-                              + "; export it with format=" + " | ".join(self.export_formats))
+            raise ExportError(
+                f"format={fmt} cannot express {article} {self.title} head"
+                + (f" ({reason})" if reason else "")
+                + "; export it with format="
+                + " | ".join(self.export_formats)
+            )
         problems = self.export_refusals(cfg, fmt)
         if problems:
             # The engine would build the head without these parts and draft from other values: refuse.
             serving = [f for f in self.export_formats if not self.export_refusals(cfg, f)]
-            raise ExportError(f"format={fmt} cannot serve this head: " + "; ".join(problems)
-                              + ("; export it with format=" + " | ".join(serving) if serving else ""))
+            raise ExportError(
+                f"format={fmt} cannot serve this head: "
+                + "; ".join(problems)
+                + ("; export it with format=" + " | ".join(serving) if serving else "")
+            )
 
     @abstractmethod
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:

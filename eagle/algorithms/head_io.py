@@ -73,8 +73,10 @@ def head_config_from_target(
     if head_cls.reduced_vocab:
         draft_vocab = draft_cfg.draft_vocab_size or vocab
         if draft_vocab > vocab:
-            raise ConfigError(f"draft.draft_vocab_size={draft_vocab} exceeds the target's vocabulary ({vocab}); "
-                              f"set draft.draft_vocab_size<={vocab} or null for the full vocabulary")
+            raise ConfigError(
+                f"draft.draft_vocab_size={draft_vocab} exceeds the target's vocabulary ({vocab}); "
+                f"set draft.draft_vocab_size<={vocab} or null for the full vocabulary"
+            )
     if head_cls.num_aux_layers:
         if draft_cfg.aux_layer_ids is None:
             try:
@@ -89,8 +91,11 @@ def head_config_from_target(
     if (draft_cfg.fc_norm or draft_cfg.norm_output) and not eagle31:
         # Like draft_vocab_size and aux_layer_ids: a recipe sets them for its EAGLE-3 head, and
         # `recipe=... draft=eagle1` must still work.
-        log.info("draft.fc_norm / draft.norm_output are EAGLE-3.1 options of EAGLE-3 / P-EAGLE heads; "
-                 "draft.algorithm=%s has no such parts, so they are ignored", algo)
+        log.info(
+            "draft.fc_norm / draft.norm_output are EAGLE-3.1 options of EAGLE-3 / P-EAGLE heads; "
+            "draft.algorithm=%s has no such parts, so they are ignored",
+            algo,
+        )
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
     block: dict[str, Any] = {}
     if head_cls.drafts_block:
@@ -180,8 +185,9 @@ def read_head_config(folder: Path) -> HeadConfig:
     """The `HeadConfig` of a saved head, with a CheckpointError naming the file on any problem."""
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: {folder} is not a saved draft head "
-                              f"(expected {CONFIG_NAME} and {WEIGHTS_NAME})")
+        raise CheckpointError(
+            f"{path} not found: {folder} is not a saved draft head (expected {CONFIG_NAME} and {WEIGHTS_NAME})"
+        )
     try:
         cfg = HeadConfig.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
@@ -230,12 +236,14 @@ def load_head(
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match {folder / CONFIG_NAME}: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
+        raise CheckpointError(
+            f"{weights} does not match {folder / CONFIG_NAME}: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
     for name, value in state.items():
         if value.shape != expected[name].shape:
-            raise CheckpointError(f"{weights}: {name} has shape {tuple(value.shape)}, the config implies "
-                                  f"{tuple(expected[name].shape)}")
+            raise CheckpointError(
+                f"{weights}: {name} has shape {tuple(value.shape)}, the config implies {tuple(expected[name].shape)}"
+            )
     head.load_state_dict(state, strict=False)  # strict check done above, with a clearer message
     head.to(map_location)
     if target_model is not None:
@@ -266,11 +274,16 @@ def check_head_fits_target(head_cfg: HeadConfig, target: Any, strict_fingerprint
     if head_cfg.target_model_type and model_type and head_cfg.target_model_type != model_type:
         problems.append(f"model type {head_cfg.target_model_type!r} vs the target's {model_type!r}")
     if problems:
-        raise CheckpointError(f"the {head_cfg.algorithm} head does not fit this target: " + "; ".join(problems)
-                              + ". Use the target the head was trained on (target.path) or retrain.")
+        raise CheckpointError(
+            f"the {head_cfg.algorithm} head does not fit this target: "
+            + "; ".join(problems)
+            + ". Use the target the head was trained on (target.path) or retrain."
+        )
     if head_cfg.target_fingerprint and fingerprint and head_cfg.target_fingerprint != fingerprint:
-        msg = (f"the head was trained on target {head_cfg.target_fingerprint}, this target is {fingerprint}; "
-               "acceptance may be lower if the weights differ")
+        msg = (
+            f"the head was trained on target {head_cfg.target_fingerprint}, this target is {fingerprint}; "
+            "acceptance may be lower if the weights differ"
+        )
         if strict_fingerprint:
             raise CheckpointError(msg)
         log.warning(msg)

@@ -89,8 +89,13 @@ def eagle1_loss_reference(
             count += 1
     n = max(count, 1)
     feature_loss, token_loss = feat_sum / n, tok_sum / n
-    return Eagle1Loss(feature_weight * feature_loss + token_weight * token_loss, feature_loss, token_loss,
-                      torch.tensor(correct / n), count)
+    return Eagle1Loss(
+        feature_weight * feature_loss + token_weight * token_loss,
+        feature_loss,
+        token_loss,
+        torch.tensor(correct / n),
+        count,
+    )
 
 
 def _soft_ce_chunk(p: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,5 +279,6 @@ def eagle3_loss(
     """EAGLE-3 training-time-test loss: sum_i decay^i * masked-mean soft CE of step i, from dense
     [B, T, ...] logits (packed to the positions that count, `eagle3_loss_packed`)."""
     labels, masks, rows = packed_positions(loss_mask, attention_mask, len(step_logits))
-    return eagle3_loss_packed([x[m] for x, m in zip(step_logits, masks, strict=True)], target_logits[labels],
-                              rows, t2d, d2t, decay)
+    return eagle3_loss_packed(
+        [x[m] for x, m in zip(step_logits, masks, strict=True)], target_logits[labels], rows, t2d, d2t, decay
+    )

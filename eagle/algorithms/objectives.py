@@ -100,7 +100,9 @@ def position_weights_reference(rule: str, n: int, gamma: float) -> list[float]:
     return [x / mean for x in w]
 
 
-def dpace_weights_reference(confidence: list[float], valid: list[bool], smoothing: float = DPACE_SMOOTHING) -> list[float]:
+def dpace_weights_reference(
+    confidence: list[float], valid: list[bool], smoothing: float = DPACE_SMOOTHING
+) -> list[float]:
     """One block, with loops: the definition `dpace_weights` must match."""
     n, c, reach = len(confidence), [], 1.0
     for i in range(n):

@@ -62,8 +62,10 @@ def extract_features(
         if want_aux:
             states = out.hidden_states  # tuple of L + 1 tensors [B, T, H]
             if states is None:
-                raise CaptureError(f"{type(decoder).__name__} returned no hidden states for output_hidden_states=True; "
-                                   "the aux layers of EAGLE-3 cannot be captured from it")
+                raise CaptureError(
+                    f"{type(decoder).__name__} returned no hidden states for output_hidden_states=True; "
+                    "the aux layers of EAGLE-3 cannot be captured from it"
+                )
             num_layers = len(states) - 1
             check_layer_ids(list(aux_layer_ids), num_layers)
             features["aux_hidden"] = torch.stack([states[i] for i in aux_layer_ids], dim=2)  # [B, T, 3, H]

@@ -113,9 +113,16 @@ class CaptureDataset(Dataset):
                 ids = [str(i) for i in meta.get("ids", [])]
                 names = set(f.keys())
         except Exception as e:  # safetensors raises its own error types for unreadable headers
-            raise CaptureError(f"{path}: not a readable safetensors shard ({e}); delete it and re-run eagle-capture") from e
+            raise CaptureError(
+                f"{path}: not a readable safetensors shard ({e}); delete it and re-run eagle-capture"
+            ) from e
         missing = [n for n in ("input_ids", "loss_mask", *self.features) if n not in names]
-        if missing or len(ids) != len(offsets) - 1 or len(ids) != entry["conversations"] or offsets[-1] != entry["tokens"]:
+        if (
+            missing
+            or len(ids) != len(offsets) - 1
+            or len(ids) != entry["conversations"]
+            or offsets[-1] != entry["tokens"]
+        ):
             raise CaptureError(
                 f"{path}: contents disagree with {self.root / 'manifest.json'} (missing tensors {missing}, "
                 f"{len(ids)} ids, {len(offsets) - 1} conversations, {offsets[-1] if offsets else 0} tokens; manifest "

@@ -282,8 +282,10 @@ BatchForward = Callable[[torch.Tensor, torch.Tensor, "list[int] | None"], dict[s
 
 def model_forward(model: nn.Module, device: torch.device) -> BatchForward:
     """The hf backend's `BatchForward`: the target in this process on `device`."""
+
     def forward(ids: torch.Tensor, mask: torch.Tensor, aux_layer_ids: list[int] | None) -> dict[str, torch.Tensor]:
         return extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+
     return forward
 
 
@@ -310,8 +312,9 @@ def _capture_shard(
         for name, value in feats.items():
             # Cast on the device first: half the bytes cross to the host.
             stored = value.to(storage)  # [b, T, ...]
-            check_finite_features(name, value, stored, mask.to(value.device), aux_layer_ids, capture.dtype,
-                                  [convs[i].id for i in batch])
+            check_finite_features(
+                name, value, stored, mask.to(value.device), aux_layer_ids, capture.dtype, [convs[i].id for i in batch]
+            )
             value = stored.cpu()  # [b, T, ...]
             slots = out.setdefault(name, [None] * len(convs))
             for row, i in enumerate(batch):
@@ -332,11 +335,15 @@ class FeatureSource:
     device: torch.device | None = None
 
     @classmethod
-    def in_process(cls, model: nn.Module, info: TargetInfo, device: torch.device | str | None = None
-                   ) -> FeatureSource:
+    def in_process(cls, model: nn.Module, info: TargetInfo, device: torch.device | str | None = None) -> FeatureSource:
         place = torch.device(device) if device is not None else next(model.parameters()).device
-        return cls(info, model_forward(model, place), {"name": "transformers", "version": package_version("transformers")},
-                   model, place)
+        return cls(
+            info,
+            model_forward(model, place),
+            {"name": "transformers", "version": package_version("transformers")},
+            model,
+            place,
+        )
 
 
 @dataclass
@@ -380,17 +387,34 @@ def capture_splits(
     several processes every rank must call this with the same arguments. Phases: plan, check (read-only,
     every rank alike), fold earlier progress (rank 0), capture this rank's shards, merge (rank 0).
     """
-    run = _plan(source, splits, Path(output_dir), capture, algorithm, aux_layer_ids, data_identity,
-                state or _SingleProcess(), log)
+    run = _plan(
+        source,
+        splits,
+        Path(output_dir),
+        capture,
+        algorithm,
+        aux_layer_ids,
+        data_identity,
+        state or _SingleProcess(),
+        log,
+    )
     done, todo = _check_before_writing(run)
     _fold_earlier_progress(run, done)
     _capture_own_shards(run, todo, done, progress)
     return _merge_manifests(run)
 
 
-def _plan(source: FeatureSource, splits: dict[str, Sequence[Conversation]], root: Path, capture: CaptureConfig,
-          algorithm: str, aux_layer_ids: list[int] | None, data_identity: dict[str, Any], state: ProcessState,
-          log: Callable[[str], None]) -> _CaptureRun:
+def _plan(
+    source: FeatureSource,
+    splits: dict[str, Sequence[Conversation]],
+    root: Path,
+    capture: CaptureConfig,
+    algorithm: str,
+    aux_layer_ids: list[int] | None,
+    data_identity: dict[str, Any],
+    state: ProcessState,
+    log: Callable[[str], None],
+) -> _CaptureRun:
     """The algorithm's feature layers, the shards and the manifest header; nothing is read or written."""
     try:
         algo = get_algorithm(algorithm)
@@ -447,16 +471,24 @@ def _fold_earlier_progress(run: _CaptureRun, done: dict[tuple[str, int], dict[st
     run.state.wait_for_everyone()
 
 
-def _shard_writer(run: _CaptureRun, done: dict[tuple[str, int], dict[str, Any]]
-                  ) -> Callable[[ShardJob, dict[str, list[torch.Tensor]]], None]:
+def _shard_writer(
+    run: _CaptureRun, done: dict[tuple[str, int], dict[str, Any]]
+) -> Callable[[ShardJob, dict[str, list[torch.Tensor]]], None]:
     """Writes one shard and records it: in manifest.json alone, or in this rank's part of it."""
     recorded: dict[tuple[str, int], dict[str, Any]] = dict(done) if run.world == 1 else {}
 
     def write(job: ShardJob, feats: dict[str, list[torch.Tensor]]) -> None:
         convs = job.conversations
-        entry = write_shard(run.root, job.split, job.index, [str(c.id) for c in convs],
-                            [list(c.input_ids) for c in convs], [list(c.loss_mask) for c in convs], feats,
-                            run.capture.dtype)
+        entry = write_shard(
+            run.root,
+            job.split,
+            job.index,
+            [str(c.id) for c in convs],
+            [list(c.input_ids) for c in convs],
+            [list(c.loss_mask) for c in convs],
+            feats,
+            run.capture.dtype,
+        )
         recorded[(job.split, job.index)] = entry
         if run.world == 1:
             atomic_write_json(run.root / MANIFEST, assemble_manifest(run.header, recorded))
@@ -467,16 +499,22 @@ def _shard_writer(run: _CaptureRun, done: dict[tuple[str, int], dict[str, Any]]
     return write
 
 
-def _capture_own_shards(run: _CaptureRun, todo: list[ShardJob], done: dict[tuple[str, int], dict[str, Any]],
-                        progress: bool) -> None:
+def _capture_own_shards(
+    run: _CaptureRun, todo: list[ShardJob], done: dict[tuple[str, int], dict[str, Any]], progress: bool
+) -> None:
     """This rank's shards; a single background writer overlaps disk I/O with the next shard's forwards (at most
     one shard waits in memory). A sharded target's ranks then even out their forward counts."""
     rank, world, source = run.rank, run.world, run.source
     mine = [j for j in todo if j.ordinal % world == rank]
     write = _shard_writer(run, done)
-    bar = tqdm(total=sum(j.tokens for j in mine), unit="tok", unit_scale=True,
-               desc=f"capture[{rank}/{world}]" if world > 1 else "capture",
-               disable=not progress or not run.state.is_main_process, file=sys.stderr)
+    bar = tqdm(
+        total=sum(j.tokens for j in mine),
+        unit="tok",
+        unit_scale=True,
+        desc=f"capture[{rank}/{world}]" if world > 1 else "capture",
+        disable=not progress or not run.state.is_main_process,
+        file=sys.stderr,
+    )
     pending: Future | None = None
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1) as writer:
@@ -496,8 +534,10 @@ def _capture_own_shards(run: _CaptureRun, todo: list[ShardJob], done: dict[tuple
     bar.close()
     if mine and run.state.is_main_process:
         tokens, seconds = sum(j.tokens for j in mine), time.perf_counter() - started
-        run.log(f"eagle-capture: this process captured {tokens} tokens in {seconds:.1f} s "
-                f"({tokens / seconds:.1f} tok/s, forwards and writes)")
+        run.log(
+            f"eagle-capture: this process captured {tokens} tokens in {seconds:.1f} s "
+            f"({tokens / seconds:.1f} tok/s, forwards and writes)"
+        )
 
 
 def _merge_manifests(run: _CaptureRun) -> dict[str, Any]:
@@ -547,12 +587,16 @@ def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
     """`eagle-capture capture.backend=vllm`: the same splits, shards and manifest, the target in vLLM (one
     engine, which parallelises itself: capture.tensor_parallel_size) and no weights in this process."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise CaptureError(f"capture.backend=vllm runs one vLLM engine from one process, but WORLD_SIZE="
-                           f"{os.environ['WORLD_SIZE']} processes were launched; run a single process (vLLM spreads "
-                           "the target over GPUs with capture.tensor_parallel_size)")
+        raise CaptureError(
+            f"capture.backend=vllm runs one vLLM engine from one process, but WORLD_SIZE="
+            f"{os.environ['WORLD_SIZE']} processes were launched; run a single process (vLLM spreads "
+            "the target over GPUs with capture.tensor_parallel_size)"
+        )
     if cfg.target.shard != "none":
-        raise CaptureError(f"target.shard={cfg.target.shard} places the target in eagle's processes; with "
-                           "capture.backend=vllm vLLM holds it (capture.tensor_parallel_size): set target.shard=none")
+        raise CaptureError(
+            f"target.shard={cfg.target.shard} places the target in eagle's processes; with "
+            "capture.backend=vllm vLLM holds it (capture.tensor_parallel_size): set target.shard=none"
+        )
     engine = VllmEngine(cfg.capture, cfg.output_dir)  # refuses a missing engine before anything is written
     # target.dtype=auto resolves as for the hf backend on this machine; an explicit dtype is vLLM's to check.
     here = torch.device(cfg.device) if cfg.device else (torch.accelerator.current_accelerator() or torch.device("cpu"))
@@ -564,10 +608,19 @@ def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
         return _capture_data_splits(cfg, FeatureSource(info, engine.forward, engine.describe()), splits)
 
 
-def _capture_data_splits(cfg: RootConfig, source: FeatureSource, splits: DataSplits,
-                         state: ProcessState | None = None) -> dict[str, Any]:
+def _capture_data_splits(
+    cfg: RootConfig, source: FeatureSource, splits: DataSplits, state: ProcessState | None = None
+) -> dict[str, Any]:
     """`capture_splits` of the data stage's train and held-out splits, identified by the data's fingerprint and
     config (what a resumed capture must match)."""
     identity = {"fingerprint": data_fingerprint(cfg.data, splits), "config": asdict(cfg.data)}
-    return capture_splits(source, {"train": splits.train, "heldout": splits.heldout}, cfg.output_dir, cfg.capture,
-                          cfg.draft.algorithm, cfg.draft.aux_layer_ids, identity, state=state)
+    return capture_splits(
+        source,
+        {"train": splits.train, "heldout": splits.heldout},
+        cfg.output_dir,
+        cfg.capture,
+        cfg.draft.algorithm,
+        cfg.draft.aux_layer_ids,
+        identity,
+        state=state,
+    )

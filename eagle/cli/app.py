@@ -67,16 +67,23 @@ def save_resolved_config(cfg: RootConfig, stage: str) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     except OSError as e:
-        raise EagleError(f"output_dir={cfg.output_dir!r} is not writable ({e.strerror or e}); "
-                         "choose another output_dir or fix its permissions") from e
+        raise EagleError(
+            f"output_dir={cfg.output_dir!r} is not writable ({e.strerror or e}); "
+            "choose another output_dir or fix its permissions"
+        ) from e
     return path
 
 
 # Storage failures mid-run: every artifact is written atomically, so what exists is valid and the
 # same command resumes once the cause is fixed.
-_STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-                   errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-                   errno.EPERM: "operation not permitted", errno.ENOTDIR: "a path component is not a folder"}
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a path component is not a folder",
+}
 
 
 def storage_error_message(stage: str, err: OSError) -> str | None:
@@ -85,8 +92,10 @@ def storage_error_message(stage: str, err: OSError) -> str | None:
     if reason is None:
         return None
     where = f" writing {err.filename}" if err.filename else ""
-    return (f"eagle-{stage}: error: {reason}{where}. Everything written before stays valid (atomic writes); "
-            "free space or fix the output location, then run the same command again to resume.")
+    return (
+        f"eagle-{stage}: error: {reason}{where}. Everything written before stays valid (atomic writes); "
+        "free space or fix the output location, then run the same command again to resume."
+    )
 
 
 @contextlib.contextmanager
@@ -108,8 +117,14 @@ def _config_kept_on_refusal(cfg: RootConfig, stage: str) -> Iterator[None]:
         raise
 
 
-def _finish_job(job: sweep.Job, stage: str, status: str, started: float, figures: dict[str, Any] | None = None,
-                error: str | None = None) -> None:
+def _finish_job(
+    job: sweep.Job,
+    stage: str,
+    status: str,
+    started: float,
+    figures: dict[str, Any] | None = None,
+    error: str | None = None,
+) -> None:
     """Record a multirun job's outcome and refresh the sweep summary (rank 0; best effort on storage)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -149,12 +164,19 @@ def _run_stage(stage: str, stage_fn: Callable[[RootConfig], Any], raw: Any) -> A
         raise
     if job is not None:
         stopped = getattr(result, "stopped", None) == "signal"
-        _finish_job(job, stage, "stopped" if stopped else "ok", started,
-                    figures=sweep.job_figures(stage, result, cfg.output_dir))
+        _finish_job(
+            job,
+            stage,
+            "stopped" if stopped else "ok",
+            started,
+            figures=sweep.job_figures(stage, result, cfg.output_dir),
+        )
         if stopped:
-            print(f"eagle-{stage}: sweep stopped by a signal during job {job.num}; its checkpoint is saved. Run the "
-                  "same command again to resume the sweep (finished jobs are recognised and skipped quickly)",
-                  file=sys.stderr)
+            print(
+                f"eagle-{stage}: sweep stopped by a signal during job {job.num}; its checkpoint is saved. Run the "
+                "same command again to resume the sweep (finished jobs are recognised and skipped quickly)",
+                file=sys.stderr,
+            )
             sys.exit(0)
     return sweep.objective(stage, result)
 

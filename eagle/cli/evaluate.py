@@ -21,12 +21,16 @@ def _evaluate(cfg: RootConfig) -> dict:
     if not report.get("lossless", True):  # first line: an approximate run never reads as an exact one
         shift = report["distribution_shift"]
         kl = "inf" if shift["kl"] is None else f"{shift['kl']:.4f}"
-        print(f"APPROXIMATE acceptance (decode.acceptance={report['acceptance']}): NOT lossless; emitted law vs the "
-              f"target's over {shift['positions']} positions: TV {shift['tv']:.4f}, KL {kl}")
-    print(f"tau {fmt(report['tau'])} | {report['tokens_per_s']:.1f} tok/s | speedup vs HF generate "
-          f"{fmt(report['speedup'], 'x')}, vs prompt lookup {fmt(report['speedup_vs_prompt_lookup'], 'x')}, "
-          f"vs autoregressive {fmt(report['speedup_vs_autoregressive'], 'x')} | greedy match "
-          f"{fmt(report['greedy_match'])}")
+        print(
+            f"APPROXIMATE acceptance (decode.acceptance={report['acceptance']}): NOT lossless; emitted law vs the "
+            f"target's over {shift['positions']} positions: TV {shift['tv']:.4f}, KL {kl}"
+        )
+    print(
+        f"tau {fmt(report['tau'])} | {report['tokens_per_s']:.1f} tok/s | speedup vs HF generate "
+        f"{fmt(report['speedup'], 'x')}, vs prompt lookup {fmt(report['speedup_vs_prompt_lookup'], 'x')}, "
+        f"vs autoregressive {fmt(report['speedup_vs_autoregressive'], 'x')} | greedy match "
+        f"{fmt(report['greedy_match'])}"
+    )
     print(f"speedup baseline: {report['speedup_baseline']} (tokens/s ratio on this machine)")
     print(f"report: {cfg.output_dir}/report.json, {cfg.output_dir}/report.md")
     return report

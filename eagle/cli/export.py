@@ -1,7 +1,7 @@
 """`eagle-export`: write a trained head as a vLLM / SGLang / speculators / hf / llama.cpp folder, or check one.
 
-    eagle-export draft.path=outputs/run format=vllm output_dir=exports/vllm [export.dtype=bfloat16]
-    eagle-export --check exports/vllm        # validate a folder made here or elsewhere
+eagle-export draft.path=outputs/run format=vllm output_dir=exports/vllm [export.dtype=bfloat16]
+eagle-export --check exports/vllm        # validate a folder made here or elsewhere
 """
 
 from __future__ import annotations

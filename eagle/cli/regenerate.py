@@ -37,8 +37,16 @@ def regenerate_stage(cfg: RootConfig) -> None:
     conversations, stats = load_conversations(cfg.data)
     print(stats.summary(), file=sys.stderr)
     output = default_output(cfg.output_dir, cfg.regenerate)
-    regenerate(target, tokenizer, conversations, cfg.regenerate, output, target_fingerprint=fingerprint, dtype=dtype,
-               data=cfg.data)
+    regenerate(
+        target,
+        tokenizer,
+        conversations,
+        cfg.regenerate,
+        output,
+        target_fingerprint=fingerprint,
+        dtype=dtype,
+        data=cfg.data,
+    )
     print(f"eagle-regenerate: wrote {output}; train on it with data=local data.path={output}")
 
 

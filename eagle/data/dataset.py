@@ -47,13 +47,20 @@ class DataStats:
             f"truncated: {self.truncated}; dropped as too long: {self.dropped_too_long}",
         ]
         if self.fallback_turns:
-            lines.append(f"data: {self.fallback_turns} assistant turns masked by content search "
-                         "(the chat template is not prefix-consistent)")
+            lines.append(
+                f"data: {self.fallback_turns} assistant turns masked by content search "
+                "(the chat template is not prefix-consistent)"
+            )
         if self.id_turns or self.id_fallback_turns:
-            lines.append(f"data: {self.id_turns} assistant turns tokenised as the token ids stored with them"
-                         + (f"; {self.id_fallback_turns} as their text instead (ids that do not decode to the "
-                            "content, or that cannot be spliced into the template's tokens)"
-                            if self.id_fallback_turns else ""))
+            lines.append(
+                f"data: {self.id_turns} assistant turns tokenised as the token ids stored with them"
+                + (
+                    f"; {self.id_fallback_turns} as their text instead (ids that do not decode to the "
+                    "content, or that cannot be spliced into the template's tokens)"
+                    if self.id_fallback_turns
+                    else ""
+                )
+            )
         lines += [f"data: note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -119,8 +126,9 @@ def load_conversations(cfg: DataConfig) -> tuple[list[Conversation], DataStats]:
             break
         stats.read += 1
         try:
-            conv = normalise_record(record, index=i, source=report.source, fmt=cfg.format,
-                                    system_prompt=cfg.system_prompt)
+            conv = normalise_record(
+                record, index=i, source=report.source, fmt=cfg.format, system_prompt=cfg.system_prompt
+            )
         except SkipRecord as s:
             _count(stats, s.reason)
             continue
@@ -157,8 +165,9 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
     convs, stats = load_conversations(cfg)
     tokenized: list[TokenizedConversation] = []
     for conv in tqdm(convs, desc="tokenize", unit="conv", disable=not progress):
-        tc, reason = tokenize_with_reason(conv, tokenizer, cfg.max_length, cfg.overflow,
-                                          train_on_reasoning=cfg.train_on_reasoning)
+        tc, reason = tokenize_with_reason(
+            conv, tokenizer, cfg.max_length, cfg.overflow, train_on_reasoning=cfg.train_on_reasoning
+        )
         if tc is None:
             if reason == "too_long":
                 stats.dropped_too_long += 1
@@ -171,8 +180,10 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
         stats.id_fallback_turns += tc.id_fallback_turns
         tokenized.append(tc)
     if not tokenized:
-        raise DataError(f"no usable conversations in data.source={cfg.source} data.path={cfg.path}:\n"
-                        f"{stats.summary()}\nCheck the format/roles of the file and data.max_length")
+        raise DataError(
+            f"no usable conversations in data.source={cfg.source} data.path={cfg.path}:\n"
+            f"{stats.summary()}\nCheck the format/roles of the file and data.max_length"
+        )
     heldout = [tc for tc in tokenized if is_heldout(cfg, tc.id)]
     if cfg.heldout_fraction > 0 and not heldout and len(tokenized) >= 2:
         heldout = [min(tokenized, key=lambda tc: _unit_hash(cfg.split_seed, tc.id))]
@@ -183,8 +194,20 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
     return DataSplits(train=train, heldout=heldout, stats=stats)
 
 
-FINGERPRINT_FIELDS = ("source", "path", "hub_split", "hub_subset", "format", "max_conversations", "max_length",
-                      "overflow", "system_prompt", "heldout_fraction", "split_seed", "dedup_against")
+FINGERPRINT_FIELDS = (
+    "source",
+    "path",
+    "hub_split",
+    "hub_subset",
+    "format",
+    "max_conversations",
+    "max_length",
+    "overflow",
+    "system_prompt",
+    "heldout_fraction",
+    "split_seed",
+    "dedup_against",
+)
 
 
 def data_fingerprint(cfg: DataConfig, splits: DataSplits) -> str:

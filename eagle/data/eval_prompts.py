@@ -75,8 +75,10 @@ def load_eval_prompts(name: str) -> list[EvalPrompt]:
     """Prompts of `mt_bench`, `humaneval`, `humaneval_long`, or a local PATH.jsonl whose
     lines are `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category"), in file order."""
     if name == "mt_bench":
-        return [EvalPrompt(str(r["question_id"]), list(r["turns"]), r.get("category"))
-                for _, r in _read_jsonl(asset_path("mt_bench"))]
+        return [
+            EvalPrompt(str(r["question_id"]), list(r["turns"]), r.get("category"))
+            for _, r in _read_jsonl(asset_path("mt_bench"))
+        ]
     if name == "humaneval":
         return [EvalPrompt(str(r["task_id"]), [r["prompt"]], "code") for _, r in _read_jsonl(asset_path("humaneval"))]
     if name == "humaneval_long":
@@ -88,8 +90,10 @@ def load_eval_prompts(name: str) -> list[EvalPrompt]:
     for lineno, r in _read_jsonl(path):
         turns = r.get("turns", [r["prompt"]] if "prompt" in r else None)
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise DataError(f"{path}: line {lineno} needs 'turns' (a non-empty list of non-empty strings) "
-                            "or 'prompt' (a non-empty string)")
+            raise DataError(
+                f"{path}: line {lineno} needs 'turns' (a non-empty list of non-empty strings) "
+                "or 'prompt' (a non-empty string)"
+            )
         category = r.get("category")
         prompts.append(EvalPrompt(str(r.get("id", lineno)), turns, category if isinstance(category, str) else None))
     ids = [p.id for p in prompts]

@@ -47,8 +47,10 @@ def iter_json_array(path: Path, report: ReadReport, allow_truncated_tail: bool =
         chars_before = 0
         pos = _SEPARATOR.match(buf).end()
         if pos >= len(buf) or buf[pos] != "[":
-            raise DataError(f"{path}: expected a JSON array of conversations (or {{'data': [...]}}) "
-                            f"at line 1; found {buf[pos:pos + 20]!r}")
+            raise DataError(
+                f"{path}: expected a JSON array of conversations (or {{'data': [...]}}) "
+                f"at line 1; found {buf[pos : pos + 20]!r}"
+            )
         pos += 1
         index = 0
         while True:
@@ -73,18 +75,23 @@ def iter_json_array(path: Path, report: ReadReport, allow_truncated_tail: bool =
                     continue
                 if allow_truncated_tail and not buf.rstrip().endswith("]"):
                     report.truncated_tail_at = chars_before + pos
-                    report.notes.append(f"{path.name}: incomplete last record at character "
-                                        f"{chars_before + pos} ignored (file is cut off)")
+                    report.notes.append(
+                        f"{path.name}: incomplete last record at character "
+                        f"{chars_before + pos} ignored (file is cut off)"
+                    )
                     return
                 line = lines_before + buf.count("\n", 0, e.pos) + 1
-                raise DataError(f"{path}: malformed JSON in record {index} at line {line}: {e.msg}; "
-                                "fix the file (each element of the array must be a complete object)") from e
+                raise DataError(
+                    f"{path}: malformed JSON in record {index} at line {line}: {e.msg}; "
+                    "fix the file (each element of the array must be a complete object)"
+                ) from e
             yield index, record
             index += 1
             pos = end
             if pos >= len(buf) and eof and not allow_truncated_tail:
-                raise DataError(f"{path}: the JSON array has no closing ']' after record {index - 1}; "
-                                "the file is truncated")
+                raise DataError(
+                    f"{path}: the JSON array has no closing ']' after record {index - 1}; the file is truncated"
+                )
 
 
 def iter_local_json(path: Path, report: ReadReport) -> Iterator[tuple[int, Any]]:
@@ -99,8 +106,10 @@ def iter_local_json(path: Path, report: ReadReport) -> Iterator[tuple[int, Any]]
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
     if not isinstance(obj, dict) or not isinstance(obj.get("data"), list):
-        raise DataError(f"{path}: expected a JSON array of conversations or an object {{'data': [...]}}; "
-                        f"got {type(obj).__name__}" + (f" with keys {sorted(obj)[:10]}" if isinstance(obj, dict) else ""))
+        raise DataError(
+            f"{path}: expected a JSON array of conversations or an object {{'data': [...]}}; "
+            f"got {type(obj).__name__}" + (f" with keys {sorted(obj)[:10]}" if isinstance(obj, dict) else "")
+        )
     yield from enumerate(obj["data"])
 
 
@@ -144,8 +153,10 @@ def iter_hub(cfg: DataConfig, report: ReadReport) -> Iterator[tuple[int, Any]]:
     try:
         ds = datasets.load_dataset(cfg.path, cfg.hub_subset, split=cfg.hub_split, streaming=True)
     except Exception as e:  # datasets raises many types: missing set, no network, bad split name
-        raise DataError(f"data.path={cfg.path!r} (subset {cfg.hub_subset!r}, split {cfg.hub_split!r}) "
-                        f"cannot be loaded with datasets.load_dataset: {e}") from e
+        raise DataError(
+            f"data.path={cfg.path!r} (subset {cfg.hub_subset!r}, split {cfg.hub_split!r}) "
+            f"cannot be loaded with datasets.load_dataset: {e}"
+        ) from e
     it = iter(ds)
     index = 0
     while True:
@@ -177,13 +188,14 @@ def iter_records(cfg: DataConfig, report: ReadReport) -> Iterator[tuple[int, Any
     path = Path(cfg.path).expanduser()
     report.source = str(path)
     if not path.is_file():
-        raise DataError(f"data.path={cfg.path!r}: file not found (data=local reads a .json, .jsonl or .parquet file; "
-                        "use data=hub for a data set folder or Hub name)")
+        raise DataError(
+            f"data.path={cfg.path!r}: file not found (data=local reads a .json, .jsonl or .parquet file; "
+            "use data=hub for a data set folder or Hub name)"
+        )
     readers = {".json": iter_local_json, ".jsonl": iter_jsonl, ".parquet": iter_parquet}
     reader = readers.get(path.suffix.lower())
     if reader is None:
-        raise DataError(f"data.path={cfg.path!r}: unsupported extension {path.suffix!r}; "
-                        "use .json, .jsonl or .parquet")
+        raise DataError(f"data.path={cfg.path!r}: unsupported extension {path.suffix!r}; use .json, .jsonl or .parquet")
     try:
         yield from reader(path, report)
     except UnicodeDecodeError as e:

@@ -84,11 +84,15 @@ def _text_of(content: Any, where: str) -> str:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise DataError(f"{where}: content part {str(part)[:80]!r} is not a text part "
-                                "({'type': 'text', 'text': ...}); only text conversations are supported")
+                raise DataError(
+                    f"{where}: content part {str(part)[:80]!r} is not a text part "
+                    "({'type': 'text', 'text': ...}); only text conversations are supported"
+                )
         return "".join(parts)
-    raise DataError(f"{where}: content must be a string, got {type(content).__name__} "
-                    f"({str(content)[:60]!r}); fix or remove this record")
+    raise DataError(
+        f"{where}: content must be a string, got {type(content).__name__} "
+        f"({str(content)[:60]!r}); fix or remove this record"
+    )
 
 
 def _is_id(t: Any) -> bool:
@@ -106,8 +110,10 @@ def _token_ids_of(value: Any, where: str) -> list[int]:
     else:
         k, bad = next((k, t) for k, t in enumerate(value) if not _is_id(t))
         found = f"element {k} = {str(bad)[:60]!r} ({type(bad).__name__})"
-    raise DataError(f"{where}: field 'token_ids' must be a non-empty list of token ids (non-negative integers); "
-                    f"found {found}. Fix or drop the field (without it the content's text is tokenised)")
+    raise DataError(
+        f"{where}: field 'token_ids' must be a non-empty list of token ids (non-negative integers); "
+        f"found {found}. Fix or drop the field (without it the content's text is tokenised)"
+    )
 
 
 def _reasoning_of(turn: dict[str, Any], where: str) -> str | None:
@@ -117,8 +123,10 @@ def _reasoning_of(turn: dict[str, Any], where: str) -> str | None:
         if value is None:
             continue
         if not isinstance(value, str):
-            raise DataError(f"{where}: field {key!r} must be a string (the turn's thinking), got "
-                            f"{type(value).__name__} {str(value)[:60]!r}; fix or drop the field")
+            raise DataError(
+                f"{where}: field {key!r} must be a string (the turn's thinking), got "
+                f"{type(value).__name__} {str(value)[:60]!r}; fix or drop the field"
+            )
         return value
     return None
 
@@ -128,11 +136,15 @@ def _arguments_of(value: Any, where: str) -> dict[str, Any]:
         try:
             value = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: 'arguments' is a string but not JSON ({e.msg}): {value[:60]!r}; a tool "
-                            "call's arguments must be an object or the JSON text of one") from e
+            raise DataError(
+                f"{where}: 'arguments' is a string but not JSON ({e.msg}): {value[:60]!r}; a tool "
+                "call's arguments must be an object or the JSON text of one"
+            ) from e
     if not isinstance(value, dict):
-        raise DataError(f"{where}: 'arguments' must be an object (or the JSON text of one), got "
-                        f"{type(value).__name__} {str(value)[:60]!r}")
+        raise DataError(
+            f"{where}: 'arguments' must be an object (or the JSON text of one), got "
+            f"{type(value).__name__} {str(value)[:60]!r}"
+        )
     return value
 
 
@@ -145,10 +157,14 @@ def _tool_calls_of(value: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}, tool_calls[{k}]"
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-            raise DataError(f"{at}: a call needs a function name: {{'type': 'function', 'function': {{'name': ..., "
-                            f"'arguments': {{...}}}}}} or {{'name': ..., 'arguments': ...}}; got {str(call)[:80]!r}")
-        out: dict[str, Any] = {"type": "function",
-                               "function": {"name": fn["name"], "arguments": _arguments_of(fn.get("arguments", {}), at)}}
+            raise DataError(
+                f"{at}: a call needs a function name: {{'type': 'function', 'function': {{'name': ..., "
+                f"'arguments': {{...}}}}}} or {{'name': ..., 'arguments': ...}}; got {str(call)[:80]!r}"
+            )
+        out: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": _arguments_of(fn.get("arguments", {}), at)},
+        }
         if isinstance(call.get("id"), str):
             out["id"] = call["id"]
         calls.append(out)
@@ -176,7 +192,9 @@ def _message_of(turn: dict[str, Any], raw_role: str, content: Any, fmt_name: str
         for key in ("tool_call_id", "name"):
             if turn.get(key) is not None:
                 if not isinstance(turn[key], str):
-                    raise DataError(f"{at}: field {key!r} of a tool turn must be a string, got {type(turn[key]).__name__}")
+                    raise DataError(
+                        f"{at}: field {key!r} of a tool turn must be a string, got {type(turn[key]).__name__}"
+                    )
                 message[key] = turn[key]
     return message
 
@@ -188,8 +206,10 @@ def detect_format(record: dict[str, Any], fmt: str, where: str) -> tuple[str, st
     elif fmt == "openai" or (fmt == "auto" and "messages" in record):
         key = "messages"
     else:
-        raise DataError(f"{where}: no 'conversations' (ShareGPT) or 'messages' (OpenAI) field; keys are "
-                        f"{sorted(map(str, record))[:10]}; convert the file or set data.format")
+        raise DataError(
+            f"{where}: no 'conversations' (ShareGPT) or 'messages' (OpenAI) field; keys are "
+            f"{sorted(map(str, record))[:10]}; convert the file or set data.format"
+        )
     if key not in record:
         raise DataError(f"{where}: data.format={fmt} needs a {key!r} field; keys are {sorted(map(str, record))[:10]}")
     return ("sharegpt" if key == "conversations" else "openai"), key
@@ -211,8 +231,7 @@ def normalise_record(
     """
     where = f"{source}: record {index}"
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected an object with 'conversations' or 'messages', "
-                        f"got {type(record).__name__}")
+        raise DataError(f"{where}: expected an object with 'conversations' or 'messages', got {type(record).__name__}")
     rid = record.get("id", record.get("conversation_id"))
     if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid).strip():
         cid = str(rid)
@@ -235,11 +254,15 @@ def normalise_record(
         elif "role" in turn and "content" in turn:
             raw_role, content = turn["role"], turn["content"]
         else:
-            raise DataError(f"{at}: a turn needs 'from'+'value' (ShareGPT) or 'role'+'content' (OpenAI); "
-                            f"keys are {sorted(map(str, turn))}")
+            raise DataError(
+                f"{at}: a turn needs 'from'+'value' (ShareGPT) or 'role'+'content' (OpenAI); "
+                f"keys are {sorted(map(str, turn))}"
+            )
         if not isinstance(raw_role, str) or raw_role.strip().lower() not in ROLE_MAP:
-            raise DataError(f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
-                            "Filter or rename these turns")
+            raise DataError(
+                f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
+                "Filter or rename these turns"
+            )
         messages.append(_message_of(turn, raw_role, content, fmt_name, at))
 
     record_system = record.get("system")

@@ -83,23 +83,44 @@ def recover_output(path: Path) -> set[str]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-            raise DataError(f"{path}: line {lineno} is not a regenerated record; the file is corrupt. "
-                            "Delete it (or set regenerate.output to a new file) and run again")
+            raise DataError(
+                f"{path}: line {lineno} is not a regenerated record; the file is corrupt. "
+                "Delete it (or set regenerate.output to a new file) and run again"
+            )
         done.add(record["id"])
     return done
 
 
 # Data settings that decide which conversations are regenerated and what their prompts are.
-DATA_IDENTITY = ("source", "path", "hub_split", "hub_subset", "format", "system_prompt", "max_conversations",
-                 "dedup_against")
+DATA_IDENTITY = (
+    "source",
+    "path",
+    "hub_split",
+    "hub_subset",
+    "format",
+    "system_prompt",
+    "max_conversations",
+    "dedup_against",
+)
 # Settings that may change on resume: they select more or fewer conversations, not other answers
 # (ids already written are skipped either way). The serving engine of one served model is like the
 # local engine (continuous / generate): it changes how answers are computed, not which.
 _FREE = frozenset({"data.max_conversations", "data.dedup_against", "server_engine"})
 # Settings left out of the meta file: how the work is spread (slots, engine, server list, concurrency,
 # timeouts) does not change the answers; the backend records what does (`RegenerationBackend.start`).
-_NOT_RECORDED = frozenset({"output", "batch_size", "engine", "backend", "servers", "model", "requests_per_server",
-                           "request_timeout", "server_engine"})
+_NOT_RECORDED = frozenset(
+    {
+        "output",
+        "batch_size",
+        "engine",
+        "backend",
+        "servers",
+        "model",
+        "requests_per_server",
+        "request_timeout",
+        "server_engine",
+    }
+)
 
 
 def data_identity(data: DataConfig) -> dict[str, Any]:
@@ -110,12 +131,17 @@ def data_identity(data: DataConfig) -> dict[str, Any]:
     return out
 
 
-def _settings(cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None,
-              dtype: str | None = None) -> dict[str, Any]:
+def _settings(
+    cfg: RegenerateConfig, target_fingerprint: str, data: dict[str, Any] | None = None, dtype: str | None = None
+) -> dict[str, Any]:
     # Slots and engine change how answers are computed, not which (up to low-precision numerics).
     keep = {k: v for k, v in asdict(cfg).items() if k not in _NOT_RECORDED}
-    return {"target": target_fingerprint, **({"dtype": dtype} if dtype else {}), **keep,
-            **({"data": data} if data is not None else {})}
+    return {
+        "target": target_fingerprint,
+        **({"dtype": dtype} if dtype else {}),
+        **keep,
+        **({"data": data} if data is not None else {}),
+    }
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:
@@ -139,12 +165,17 @@ def _check_meta(path: Path, settings: dict[str, Any]) -> None:
         refused = [k for k in diff if k not in _FREE]
         if refused:
             lines = "\n".join(f"  {k}: {a[k]!r} -> {b[k]!r}" for k in refused)
-            raise DataError(f"{path} was written with different settings (file -> this run):\n{lines}\n"
-                            "resuming would mix answers of both in one file. Either write to a new file (another "
-                            f"regenerate.output or output_dir), or move {path} away to regenerate from scratch there")
+            raise DataError(
+                f"{path} was written with different settings (file -> this run):\n{lines}\n"
+                "resuming would mix answers of both in one file. Either write to a new file (another "
+                f"regenerate.output or output_dir), or move {path} away to regenerate from scratch there"
+            )
         if diff:
-            print(f"eagle-regenerate: resuming {path} with another selection: "
-                  + "; ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in diff), file=sys.stderr)
+            print(
+                f"eagle-regenerate: resuming {path} with another selection: "
+                + "; ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in diff),
+                file=sys.stderr,
+            )
     tmp = meta.with_name(meta.name + ".tmp")
     tmp.write_text(json.dumps(settings, indent=2, sort_keys=True))
     os.replace(tmp, meta)
@@ -166,9 +197,11 @@ def check_reasoning_setting(tokenizer: Any, cfg: RegenerateConfig) -> None:
     """regenerate.reasoning=off needs a template with a thinking switch; refused at start otherwise."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if cfg.reasoning == "off" and "enable_thinking" not in template:
-        raise DataError(f"regenerate.reasoning=off renders prompts with enable_thinking=False, but the chat "
-                        f"template of {getattr(tokenizer, 'name_or_path', 'the target')!r} has no such switch "
-                        "(no 'enable_thinking' in it); use regenerate.reasoning=keep or drop")
+        raise DataError(
+            f"regenerate.reasoning=off renders prompts with enable_thinking=False, but the chat "
+            f"template of {getattr(tokenizer, 'name_or_path', 'the target')!r} has no such switch "
+            "(no 'enable_thinking' in it); use regenerate.reasoning=keep or drop"
+        )
 
 
 class ConversationJob(Job):
@@ -179,8 +212,13 @@ class ConversationJob(Job):
     back as tokens (`finish_answer`) or as text (`finish_text`, from a server that returns no ids).
     Asking for the same turn again (after a server failed) renders the same prompt."""
 
-    def __init__(self, conversation: Conversation, tokenizer: Any, cfg: RegenerateConfig,
-                 on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        conversation: Conversation,
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        on_done: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.id = conversation.id
         self.tokenizer, self.cfg, self.on_done = tokenizer, cfg, on_done
         self.pending = list(conversation.messages)  # turns still to replay
@@ -197,8 +235,12 @@ class ConversationJob(Job):
         while self.pending and (self.pending[0]["role"] != "assistant" or self.pending[0].get("tool_calls")):
             self.history.append(self.pending.pop(0))
         ids: list[int] = []
-        if self.pending and self.history and self.history[-1]["role"] in ("user", "tool") and (
-                self.cfg.max_turns is None or self.answered < self.cfg.max_turns):
+        if (
+            self.pending
+            and self.history
+            and self.history[-1]["role"] in ("user", "tool")
+            and (self.cfg.max_turns is None or self.answered < self.cfg.max_turns)
+        ):
             try:
                 switch = {"enable_thinking": False} if self.cfg.reasoning == "off" else {}
                 text = render(self.tokenizer, self.history, add_generation_prompt=True, **switch)
@@ -255,8 +297,9 @@ def _batch_seed(seed: int, batch: list[Conversation]) -> int:
 
 
 @torch.no_grad()
-def generate_replies(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: RegenerateConfig,
-                     stop_ids: list[int]) -> list[list[int]]:
+def generate_replies(
+    model: Any, tokenizer: Any, prompts: list[list[int]], cfg: RegenerateConfig, stop_ids: list[int]
+) -> list[list[int]]:
     """Answer tokens (stop token excluded) per prompt, by one left-padded batched `generate` call."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
@@ -265,8 +308,9 @@ def generate_replies(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: 
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, T]
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sample = cfg.temperature > 0
-    kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens,
-                                  eos_token_id=stop_ids, pad_token_id=pad)
+    kwargs: dict[str, Any] = dict(
+        do_sample=sample, max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad
+    )
     if sample:
         kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
     else:
@@ -279,8 +323,9 @@ def generate_replies(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: 
     return answers
 
 
-def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg: RegenerateConfig,
-                     stop_ids: list[int]) -> list[dict[str, Any]]:
+def regenerate_batch(
+    model: Any, tokenizer: Any, batch: list[Conversation], cfg: RegenerateConfig, stop_ids: list[int]
+) -> list[dict[str, Any]]:
     """`regenerate.engine=generate`: a batch of conversations advances one assistant turn per round
     with left-padded `generate` calls. Records in the batch's order."""
     jobs = [ConversationJob(c, tokenizer, cfg) for c in batch]
@@ -293,20 +338,28 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[Conversation], cfg:
     return [j.record for j in jobs]
 
 
-def _continuous(model: Any, tokenizer: Any, todo: list[Conversation], cfg: RegenerateConfig, stop_ids: list[int],
-                write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None:
+def _continuous(
+    model: Any,
+    tokenizer: Any,
+    todo: list[Conversation],
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    write: Callable[[list[dict[str, Any]]], None],
+    bar: Any,
+) -> None:
     """`regenerate.engine=continuous`: conversations sorted by first-prompt length (slots that run
     together attend over similar lengths), each record written as soon as it is done."""
+
     def on_done(record: dict[str, Any]) -> None:
         write([record])
 
     jobs = [ConversationJob(c, tokenizer, cfg, on_done) for c in todo]
     firsts = {j.id: len(first_turn_prompt(tokenizer, c)) for j, c in zip(jobs, todo, strict=True)}
     jobs.sort(key=lambda j: firsts[j.id])
-    sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    engine = ContinuousGenerator(model, cfg.batch_size, cfg.max_prompt_tokens + cfg.max_new_tokens, stop_ids,
-                                 sampling)
+    sampling = Sampling(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+    )
+    engine = ContinuousGenerator(model, cfg.batch_size, cfg.max_prompt_tokens + cfg.max_new_tokens, stop_ids, sampling)
     start = time.perf_counter()
 
     def progress(e: ContinuousGenerator) -> None:
@@ -326,7 +379,9 @@ def first_turn_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
         if m["role"] == "user":
             break
     try:
-        return list(tokenizer(render(tokenizer, turns, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+        return list(
+            tokenizer(render(tokenizer, turns, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        )
     except TemplateFailure:
         return []
 
@@ -339,8 +394,15 @@ class RegenerationBackend(Protocol):
 
     def start(self, tokenizer: Any, cfg: RegenerateConfig) -> dict[str, Any]: ...
 
-    def run(self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
-            write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None: ...
+    def run(
+        self,
+        todo: list[Conversation],
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        stop_ids: list[int],
+        write: Callable[[list[dict[str, Any]]], None],
+        bar: Any,
+    ) -> None: ...
 
 
 class LocalBackend:
@@ -352,8 +414,15 @@ class LocalBackend:
     def start(self, tokenizer: Any, cfg: RegenerateConfig) -> dict[str, Any]:
         return {"backend": "local"}
 
-    def run(self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
-            write: Callable[[list[dict[str, Any]]], None], bar: Any) -> None:
+    def run(
+        self,
+        todo: list[Conversation],
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        stop_ids: list[int],
+        write: Callable[[list[dict[str, Any]]], None],
+        bar: Any,
+    ) -> None:
         model = self.model
         was_training = model.training
         model.eval()
@@ -363,16 +432,24 @@ class LocalBackend:
                     _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar)
                 else:
                     for k in range(0, len(todo), cfg.batch_size):
-                        batch = todo[k:k + cfg.batch_size]
+                        batch = todo[k : k + cfg.batch_size]
                         torch.manual_seed(_batch_seed(cfg.seed, batch))
                         write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids))
         finally:
             model.train(was_training)
 
 
-def regenerate(target: Any, tokenizer: Any, conversations: list[Conversation], cfg: RegenerateConfig,
-               output: Path, target_fingerprint: str = "", progress: bool = True,
-               data: DataConfig | None = None, dtype: str | None = None) -> Path:
+def regenerate(
+    target: Any,
+    tokenizer: Any,
+    conversations: list[Conversation],
+    cfg: RegenerateConfig,
+    output: Path,
+    target_fingerprint: str = "",
+    progress: bool = True,
+    data: DataConfig | None = None,
+    dtype: str | None = None,
+) -> Path:
     """Regenerate `conversations` into `output` (JSONL), resuming from what it already holds.
 
     `target` is an HF model (run by `LocalBackend`) or a `RegenerationBackend` (e.g.
@@ -388,10 +465,16 @@ def regenerate(target: Any, tokenizer: Any, conversations: list[Conversation], c
     done = recover_output(output)
     todo = [c for c in conversations if c.id not in done]
     stop_ids = end_of_turn_ids(tokenizer)
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate",
-               unit="conv", disable=not progress)
+    bar = tqdm(
+        total=len(conversations),
+        initial=len(conversations) - len(todo),
+        desc="regenerate",
+        unit="conv",
+        disable=not progress,
+    )
     try:
         with open(output, "a", encoding="utf-8") as f:
+
             def write(records: list[dict[str, Any]]) -> None:
                 f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
                 f.flush()

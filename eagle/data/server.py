@@ -84,8 +84,12 @@ def http_json(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
     `timeout` or answers 502/503/504; `ServerError` (naming the URL and the answer's body) for any other
     non-2xx answer or an answer that is not JSON."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method="GET" if data is None else "POST",
+        headers={"Content-Type": "application/json", "Accept": "application/json"},
+    )
     try:
         with _opener(_is_loopback(url)).open(request, timeout=timeout) as response:
             raw = response.read()
@@ -111,11 +115,13 @@ def text_prompt(tokenizer: Any, text: str, ids: list[int]) -> str:
     if list(tokenizer(text)["input_ids"]) == ids:
         return text
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and text.startswith(bos) and list(tokenizer(text[len(bos):])["input_ids"]) == ids:
-        return text[len(bos):]
-    raise TargetError("a text prompt would reach the server as other token ids than the rendered prompt's (the "
-                      "tokenizer adds special tokens the chat template does not expect); serve the target with an "
-                      "engine that takes token ids (vLLM, SGLang, llama.cpp)")
+    if bos and text.startswith(bos) and list(tokenizer(text[len(bos) :])["input_ids"]) == ids:
+        return text[len(bos) :]
+    raise TargetError(
+        "a text prompt would reach the server as other token ids than the rendered prompt's (the "
+        "tokenizer adds special tokens the chat template does not expect); serve the target with an "
+        "engine that takes token ids (vLLM, SGLang, llama.cpp)"
+    )
 
 
 def request_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -154,29 +160,39 @@ class ServerBackend:
         names = {s.url: self._model_name(s, cfg.model) for s in servers}
         if len(set(names.values())) > 1:
             listed = "; ".join(f"{url}: {name}" for url, name in names.items())
-            raise ServerError(f"the servers serve different models ({listed}); serve one model everywhere, or name "
-                              "it with regenerate.model=NAME if they list it under several names")
+            raise ServerError(
+                f"the servers serve different models ({listed}); serve one model everywhere, or name "
+                "it with regenerate.model=NAME if they list it under several names"
+            )
         self.model = next(iter(names.values()))
         for s in servers:
             entry = next(e for e in s.entries if e.get("id") == self.model)
             s.engine = ENGINES[detect_engine(entry) if cfg.server_engine == "auto" else cfg.server_engine]()
             if cfg.top_k > 0 and not s.engine.takes_top_k:
-                raise ServerError(f"regenerate.top_k={cfg.top_k}: {s.url} ({s.engine.name}) takes no top_k; use "
-                                  "top_k=0 or set regenerate.server_engine if the server is vllm/sglang/llama.cpp")
+                raise ServerError(
+                    f"regenerate.top_k={cfg.top_k}: {s.url} ({s.engine.name}) takes no top_k; use "
+                    "top_k=0 or set regenerate.server_engine if the server is vllm/sglang/llama.cpp"
+                )
         self.servers = servers
-        return {"backend": "server", "served_model": self.model,
-                "server_engine": ",".join(sorted({s.engine.name for s in servers}))}
+        return {
+            "backend": "server",
+            "served_model": self.model,
+            "server_engine": ",".join(sorted({s.engine.name for s in servers})),
+        }
 
     def _probe(self, url: str, cfg: RegenerateConfig) -> _Server:
         timeout = min(cfg.request_timeout, _PROBE_TIMEOUT_S)
         try:
             listing = http_json(f"{url}/v1/models", None, timeout)
         except ServerGone as e:
-            raise ServerError(f"regenerate.servers: {url} cannot be reached ({e}); start it, or leave it out of "
-                              "regenerate.servers. Nothing was written") from e
+            raise ServerError(
+                f"regenerate.servers: {url} cannot be reached ({e}); start it, or leave it out of "
+                "regenerate.servers. Nothing was written"
+            ) from e
         entries = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str)
-                                                    for e in entries):
+        if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries
+        ):
             raise ServerError(f"{url}/v1/models answered no model list: {json.dumps(listing)[:_BODY_CHARS]}")
         return _Server(url, Engine(), entries=entries)
 
@@ -185,17 +201,21 @@ class ServerBackend:
         ids = [e["id"] for e in server.entries]
         if wanted is not None:
             if wanted not in ids:
-                raise ServerError(f"{server.url} does not serve regenerate.model={wanted!r}; it serves: "
-                                  f"{', '.join(ids) or 'nothing'}")
+                raise ServerError(
+                    f"{server.url} does not serve regenerate.model={wanted!r}; it serves: {', '.join(ids) or 'nothing'}"
+                )
             return wanted
         if len(ids) != 1:
-            raise ServerError(f"{server.url} serves {len(ids)} models ({', '.join(ids) or 'none'}); name the target's "
-                              "with regenerate.model=NAME")
+            raise ServerError(
+                f"{server.url} serves {len(ids)} models ({', '.join(ids) or 'none'}); name the target's "
+                "with regenerate.model=NAME"
+            )
         return ids[0]
 
     # -- run: schedule turns, fail over ----------------------------------------------------------------
-    def run(self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int],
-            write: Any, bar: Any) -> None:
+    def run(
+        self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int], write: Any, bar: Any
+    ) -> None:
         """Regenerate `todo`, passing each finished record to `write` (on this thread)."""
         if not self.servers:
             self.start(tokenizer, cfg)
@@ -249,8 +269,16 @@ class ServerBackend:
                 if s.pool is not None:
                     s.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _fill(self, ready: deque, fresh: deque, inflight: dict, tokenizer: Any, cfg: RegenerateConfig,
-              stop_ids: list[int], stop_strings: list[str]) -> None:
+    def _fill(
+        self,
+        ready: deque,
+        fresh: deque,
+        inflight: dict,
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        stop_ids: list[int],
+        stop_strings: list[str],
+    ) -> None:
         """Send the next turns to the least busy servers with a free slot: rendered turns first, then
         conversations not started."""
         while ready or fresh:
@@ -267,9 +295,17 @@ class ServerBackend:
                 ids = first
             server = min(free, key=lambda s: s.busy)
             text = job.prompt_text if server.engine.takes_ids else text_prompt(tokenizer, job.prompt_text, ids)
-            req = Completion(prompt_ids=ids, prompt_text=text, stop_ids=stop_ids, stop_strings=stop_strings,
-                             max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k, seed=request_seed(cfg.seed, job.id, job.answered))
+            req = Completion(
+                prompt_ids=ids,
+                prompt_text=text,
+                stop_ids=stop_ids,
+                stop_strings=stop_strings,
+                max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                seed=request_seed(cfg.seed, job.id, job.answered),
+            )
             future = server.pool.submit(self._ask, server, server.engine.body(self.model, req), cfg.request_timeout)
             inflight[future] = (job, ids, server)
             server.busy += 1
@@ -294,10 +330,16 @@ class ServerBackend:
         # The text is the ids' decoding, as the local engine writes it; a server text that differs means
         # target.path's tokenizer is not the served model's.
         job.finish_answer(ids, keep_ids=True)
-        if not self.mismatch_noted and job.tokenizer.decode(ids, skip_special_tokens=True).strip() != answer.text.strip():
+        if (
+            not self.mismatch_noted
+            and job.tokenizer.decode(ids, skip_special_tokens=True).strip() != answer.text.strip()
+        ):
             self.mismatch_noted = True
-            tqdm.write(f"eagle-regenerate: warning: a server's answer text differs from the decoding of its token ids "
-                       f"(conversation {job.id!r}); is target.path the served model's tokenizer?", file=sys.stderr)
+            tqdm.write(
+                f"eagle-regenerate: warning: a server's answer text differs from the decoding of its token ids "
+                f"(conversation {job.id!r}); is target.path the served model's tokenizer?",
+                file=sys.stderr,
+            )
 
     def _drop(self, server: _Server, reason: str, ready: deque, inflight: dict) -> None:
         """Take `server` out of the run; its turns still in flight go back to the front of the queue (those
@@ -313,10 +355,15 @@ class ServerBackend:
         server.pool.shutdown(wait=False, cancel_futures=True)
         alive = [s.url for s in self.servers if s.gone is None]
         if alive:
-            tqdm.write(f"eagle-regenerate: {server.url} stopped answering ({reason}); its conversations go to "
-                       f"{', '.join(alive)}", file=sys.stderr)
+            tqdm.write(
+                f"eagle-regenerate: {server.url} stopped answering ({reason}); its conversations go to "
+                f"{', '.join(alive)}",
+                file=sys.stderr,
+            )
 
     def _all_gone(self) -> ServerError:
         lines = "; ".join(f"{s.url} ({s.gone})" for s in self.servers)
-        return ServerError(f"every server stopped answering: {lines}. The records written so far are kept: start the "
-                           "servers again (or list running ones in regenerate.servers) and run the same command to resume")
+        return ServerError(
+            f"every server stopped answering: {lines}. The records written so far are kept: start the "
+            "servers again (or list running ones in regenerate.servers) and run the same command to resume"
+        )

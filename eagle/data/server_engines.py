@@ -65,8 +65,12 @@ def _ids(value: Any) -> list[int] | None:
 
 def _choice(payload: Any) -> dict[str, Any]:
     choices = payload.get("choices") if isinstance(payload, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict) \
-            or not isinstance(choices[0].get("text"), str):
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not isinstance(choices[0], dict)
+        or not isinstance(choices[0].get("text"), str)
+    ):
         raise EngineError("no choices[0].text in the answer")
     return choices[0]
 
@@ -80,8 +84,14 @@ class Engine:
     takes_top_k = False
 
     def body(self, model: str, req: Completion) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "prompt": req.prompt_text, "max_tokens": req.max_tokens,
-                                "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": req.prompt_text,
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+        }
         if req.stop_strings:
             body["stop"] = req.stop_strings
         return body
@@ -99,12 +109,21 @@ class VLLMEngine(Engine):
     takes_top_k = True
 
     def body(self, model: str, req: Completion) -> dict[str, Any]:
-        return {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
-                "temperature": req.temperature, "top_p": req.top_p,
-                "top_k": req.top_k if req.top_k > 0 else -1,  # -1: off in every version
-                # Spelt out: the server's defaults (the model's generation_config.json) would apply otherwise.
-                "min_p": 0.0, "repetition_penalty": 1.0, "seed": req.seed,
-                "stop_token_ids": req.stop_ids, "skip_special_tokens": True, "return_token_ids": True}
+        return {
+            "model": model,
+            "prompt": req.prompt_ids,
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k if req.top_k > 0 else -1,  # -1: off in every version
+            # Spelt out: the server's defaults (the model's generation_config.json) would apply otherwise.
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "seed": req.seed,
+            "stop_token_ids": req.stop_ids,
+            "skip_special_tokens": True,
+            "return_token_ids": True,
+        }
 
     def answer(self, payload: Any) -> Answer:
         choice = _choice(payload)
@@ -129,11 +148,20 @@ class LlamaCppEngine(Engine):
 
     def body(self, model: str, req: Completion) -> dict[str, Any]:
         # `model` routes the request in router mode (several models); a one-model server ignores it.
-        return {"model": model, "prompt": req.prompt_ids, "n_predict": req.max_tokens, "temperature": req.temperature,
-                "top_p": req.top_p, "top_k": req.top_k,  # 0: off
-                # llama.cpp's defaults (min_p 0.05, top_k 40) would change the sampling otherwise.
-                "min_p": 0.0, "repeat_penalty": 1.0, "seed": req.seed, "stop": req.stop_strings,
-                "return_tokens": True}
+        return {
+            "model": model,
+            "prompt": req.prompt_ids,
+            "n_predict": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,  # 0: off
+            # llama.cpp's defaults (min_p 0.05, top_k 40) would change the sampling otherwise.
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+            "seed": req.seed,
+            "stop": req.stop_strings,
+            "return_tokens": True,
+        }
 
     def answer(self, payload: Any) -> Answer:
         if not isinstance(payload, dict) or not isinstance(payload.get("content"), str):
@@ -156,15 +184,21 @@ class TransformersEngine(Engine):
         generation = {"max_new_tokens": req.max_tokens, "do_sample": sample, "eos_token_id": req.stop_ids}
         if sample:
             generation.update(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)  # top_k 0: off
-        body: dict[str, Any] = {"model": model, "prompt": req.prompt_text, "max_tokens": req.max_tokens,
-                                "seed": req.seed, "generation_config": json.dumps(generation)}
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": req.prompt_text,
+            "max_tokens": req.max_tokens,
+            "seed": req.seed,
+            "generation_config": json.dumps(generation),
+        }
         if sample:  # a temperature of 0 in the body only draws a warning: greedy is do_sample=False
             body.update(temperature=req.temperature, top_p=req.top_p)
         return body
 
 
-ENGINES: dict[str, type[Engine]] = {e.name: e for e in (Engine, VLLMEngine, SGLangEngine, LlamaCppEngine,
-                                                         TransformersEngine)}
+ENGINES: dict[str, type[Engine]] = {
+    e.name: e for e in (Engine, VLLMEngine, SGLangEngine, LlamaCppEngine, TransformersEngine)
+}
 _OWNERS = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}
 
 

@@ -87,8 +87,9 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
     require_chat_template(tokenizer)
     messages = [{k: m[k] for k in RENDERED_KEYS if k in m} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except TargetError:
         raise
     except Exception as e:  # jinja's TemplateError from raise_exception(), or anything a template does
@@ -162,7 +163,7 @@ def _locate_answers(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str
         found = upto.rfind(content, len(prompt)) if upto.startswith(prompt) else -1
         if not content and found >= 0 and full.startswith(upto):
             # No text (a turn that only calls tools): the answer is all the template rendered for it.
-            end = len(prompt) + _end_of_tail(upto[len(prompt):], specials)
+            end = len(prompt) + _end_of_tail(upto[len(prompt) :], specials)
             answers.append(_Answer(i, (len(prompt), end), (end, end), True, end))
             cursor = end
             continue
@@ -234,8 +235,9 @@ def _splice_range(tokenizer: Any, text: str, answer: _Answer, content: str, ids:
     return answer.content if with_specials == content else None
 
 
-def _plan_splices(tokenizer: Any, text: str, messages: list[dict[str, Any]],
-                  answers: list[_Answer]) -> tuple[list[_Splice], int]:
+def _plan_splices(
+    tokenizer: Any, text: str, messages: list[dict[str, Any]], answers: list[_Answer]
+) -> tuple[list[_Splice], int]:
     """(the splices of the assistant messages that hold token ids, in text order; how many such messages
     keep their text because their ids cannot be spliced)."""
     located = {a.index: a for a in answers}
@@ -264,8 +266,9 @@ def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, in
     return mask
 
 
-def tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]],
-                       use_offsets: bool | None = None) -> tuple[list[int], list[int]]:
+def tokenize_with_mask(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], use_offsets: bool | None = None
+) -> tuple[list[int], list[int]]:
     """Token ids of `text` and a 0/1 mask of the tokens that start inside `spans` (sorted, disjoint)."""
     if use_offsets is None:
         use_offsets = bool(getattr(tokenizer, "is_fast", False))
@@ -292,8 +295,9 @@ def tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]],
     return ids, mask
 
 
-def _splice_with_offsets(tokenizer: Any, text: str, spans: list[tuple[int, int]],
-                         splices: list[_Splice]) -> tuple[list[int], list[int], int, int]:
+def _splice_with_offsets(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], splices: list[_Splice]
+) -> tuple[list[int], list[int], int, int]:
     """`tokenize_with_mask` by offsets, then each splice's tokens swapped for its ids (module docstring).
     Returns (ids, mask, splices made, splices refused at a token boundary); a splice that starts past the
     end of `text` (a prefix cut for truncation) is neither."""
@@ -331,7 +335,7 @@ def _splice_with_offsets(tokenizer: Any, text: str, spans: list[tuple[int, int]]
             if y > sp.end or list(tokenizer(text[x:y], add_special_tokens=False)["input_ids"]) != [ids[a]]:
                 refused += 1
                 continue
-            head = tokenize_with_mask(tokenizer, text[x:sp.start], [(s - x, e - x) for s, e in spans], True)
+            head = tokenize_with_mask(tokenizer, text[x : sp.start], [(s - x, e - x) for s, e in spans], True)
         b = a
         while b < n and starts[b] < sp.end:
             b += 1
@@ -345,8 +349,9 @@ def _splice_with_offsets(tokenizer: Any, text: str, spans: list[tuple[int, int]]
     return out_ids + ids[j:], out_mask + mask[j:], made, refused
 
 
-def _splice_piecewise(tokenizer: Any, text: str, spans: list[tuple[int, int]],
-                      splices: list[_Splice]) -> tuple[list[int], list[int], int, int]:
+def _splice_piecewise(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], splices: list[_Splice]
+) -> tuple[list[int], list[int], int, int]:
     """Without offsets: the pieces between span and splice boundaries tokenised apart (as the prompt and
     the answer are at inference), each splice's ids in place of its piece. Returns as `_splice_with_offsets`."""
     ids: list[int] = []
@@ -365,7 +370,7 @@ def _splice_piecewise(tokenizer: Any, text: str, spans: list[tuple[int, int]],
         while k < len(splices) and splices[k].start < end:  # the splices inside this span
             sp = splices[k]
             k += 1
-            add(text[pos:sp.start], 1)
+            add(text[pos : sp.start], 1)
             if sp.start >= len(text):
                 return ids, mask, made, 0
             ids.extend(sp.ids)
@@ -380,8 +385,9 @@ def _splice_piecewise(tokenizer: Any, text: str, spans: list[tuple[int, int]],
     return ids, mask, made, 0
 
 
-def _tokenize_spliced(tokenizer: Any, text: str, spans: list[tuple[int, int]], splices: list[_Splice],
-                      use_offsets: bool | None) -> tuple[list[int], list[int], int, int]:
+def _tokenize_spliced(
+    tokenizer: Any, text: str, spans: list[tuple[int, int]], splices: list[_Splice], use_offsets: bool | None
+) -> tuple[list[int], list[int], int, int]:
     """(ids, mask, splices made, splices refused at a token boundary) of `text`."""
     if use_offsets is None:
         use_offsets = bool(getattr(tokenizer, "is_fast", False))
@@ -396,7 +402,11 @@ _CUT_MARGIN_TOKENS = 64  # tokens tokenised past max_length, so the cut of the t
 
 
 def tokenize_with_reason(
-    conv: Conversation, tokenizer: Any, max_length: int, overflow: str, use_offsets: bool | None = None,
+    conv: Conversation,
+    tokenizer: Any,
+    max_length: int,
+    overflow: str,
+    use_offsets: bool | None = None,
     train_on_reasoning: bool = True,
 ) -> tuple[TokenizedConversation | None, str | None]:
     """Like `tokenize_conversation`, also saying why a conversation was dropped:
@@ -451,7 +461,7 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
         text, spans, _ = assistant_char_spans(tokenizer, probe)
         if spans:
             content_end = text.find("Hello", spans[0][0]) + len("Hello")
-            tail = text[content_end:spans[0][1]]
+            tail = text[content_end : spans[0][1]]
             ids = list(tokenizer(tail, add_special_tokens=False)["input_ids"]) if tail else []
             specials = set(special_token_strings(tokenizer))
             ids = [t for t in ids if tokenizer.convert_ids_to_tokens(t) in specials]

@@ -229,7 +229,9 @@ def speculative_sampling_reference(
     return None, token
 
 
-def accept_tree_reference(tree_tokens: list[int], parents: list[int], choices: list[int]) -> tuple[list[int], list[int]]:
+def accept_tree_reference(
+    tree_tokens: list[int], parents: list[int], choices: list[int]
+) -> tuple[list[int], list[int]]:
     """Loop version of `accept_tree`: (accepted nodes root first, emitted tokens)."""
     node, nodes = 0, [0]
     while True:

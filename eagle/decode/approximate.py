@@ -49,8 +49,9 @@ class AcceptanceRule:
 
     @classmethod
     def from_config(cls, decode: DecodeConfig) -> AcceptanceRule:
-        return cls(decode.acceptance, decode.typical_epsilon, decode.typical_delta, decode.lenient_top_k,
-                   decode.lenient_margin)
+        return cls(
+            decode.acceptance, decode.typical_epsilon, decode.typical_delta, decode.lenient_top_k, decode.lenient_margin
+        )
 
     @property
     def lossless(self) -> bool:
@@ -101,8 +102,9 @@ def accepted_tokens(rule: AcceptanceRule, logits: torch.Tensor, p: torch.Tensor,
     return torch.zeros(p.shape, dtype=torch.bool, device=p.device)
 
 
-def accepted_among(rule: AcceptanceRule, row: torch.Tensor, p: torch.Tensor | None, temperature: float,
-                   tokens: torch.Tensor) -> torch.Tensor:
+def accepted_among(
+    rule: AcceptanceRule, row: torch.Tensor, p: torch.Tensor | None, temperature: float, tokens: torch.Tensor
+) -> torch.Tensor:
     """`accepted_tokens` at one node for the K drafted `tokens` only: what the walk needs, one pass over V.
 
     row: [V] raw logits; p: [V] processed law, or None at temperature 0 (one-hot at the argmax, not built).
@@ -125,8 +127,9 @@ def accepted_among(rule: AcceptanceRule, row: torch.Tensor, p: torch.Tensor | No
     return torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
 
 
-def accepted_tokens_reference(rule: AcceptanceRule, logits: list[float], p: list[float],
-                              temperature: float) -> list[bool]:
+def accepted_tokens_reference(
+    rule: AcceptanceRule, logits: list[float], p: list[float], temperature: float
+) -> list[bool]:
     """Loop version of `accepted_tokens` at one node."""
     if rule.name == "typical":
         entropy = -sum(x * math.log(x) for x in p if x > 0)

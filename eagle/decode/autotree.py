@@ -104,9 +104,7 @@ def expected_tokens(scores: torch.Tensor, sizes: list[int]) -> list[float]:
     return [1.0 + float(csum[min(s, probs.numel())]) for s in sizes]
 
 
-def choose_tree_size(
-    verify_times: dict[int, float], scores: torch.Tensor, default: int, fixed_s: float = 0.0
-) -> int:
+def choose_tree_size(verify_times: dict[int, float], scores: torch.Tensor, default: int, fixed_s: float = 0.0) -> int:
     """The size maximising expected tokens / (verify time + fixed time); `default` if nothing is timed."""
     if not verify_times:
         return default

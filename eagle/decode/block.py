@@ -15,8 +15,14 @@ from eagle.decode.draft import DraftPool
 from eagle.decode.tree import Tree, chain_tree
 
 
-def sampled_chain(log_probs: torch.Tensor, root_token: int, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> Tree:
+def sampled_chain(
+    log_probs: torch.Tensor,
+    root_token: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tree:
     """One draw from each block position's law q_j (after the target's temperature / top-k / top-p),
     kept with q_j for `walk_tree_sampled`; log_probs [Q - 1, V]."""
     tokens, probs = [], {}

@@ -65,8 +65,9 @@ class SlotKV:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def write_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor,
-                       batch: SlotBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_and_read(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: SlotBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `key`/`value` ([R, H_kv, Q, D]) at the rows' positions; return the rows' [R, H_kv, K, D]."""
         if layer not in self.keys:
             r, h, _, d = key.shape
@@ -90,10 +91,18 @@ class SlotKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
 
-def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                   softcap: float | None = None, sliding_window: int | None = None,
-                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+def slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """HF attention interface over a `SlotKV`: query [R, H, Q, D], new key/value [R, H_kv, Q, D]
     -> output [R, Q, H, D]. `attention_mask` is ignored: the slots' positions define the mask."""
     batch: SlotBatch | None = kwargs.get("eagle_slots")
@@ -108,7 +117,7 @@ def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     # Query head j uses KV head j // group (HF's repeat_kv order): fold the group into the query axis.
     q = query.reshape(r, h_kv, group * q_len, d)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [R, H_kv, G*Q, K]
-    scores = scores * (scaling if scaling is not None else d ** -0.5)
+    scores = scores * (scaling if scaling is not None else d**-0.5)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     allowed = batch.mask(sliding_window)  # [R, 1, Q, K]
@@ -202,10 +211,21 @@ class ContinuousGenerator:
         """Feed `tokens[i]` to slot `rows[i]` at positions starts[i].. (equal lengths); [R, V] last logits."""
         q_len = len(tokens[0])
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(q_len, device=self.device)
-        batch = SlotBatch(kv=self.kv, rows=torch.tensor(rows, device=self.device), positions=positions,
-                          kv_len=max(starts) + q_len, all_rows=rows == list(range(self.slots)))
-        out = self.model(input_ids=torch.tensor(tokens, device=self.device), position_ids=positions,
-                         attention_mask=batch.mask(None), use_cache=False, logits_to_keep=1, eagle_slots=batch)
+        batch = SlotBatch(
+            kv=self.kv,
+            rows=torch.tensor(rows, device=self.device),
+            positions=positions,
+            kv_len=max(starts) + q_len,
+            all_rows=rows == list(range(self.slots)),
+        )
+        out = self.model(
+            input_ids=torch.tensor(tokens, device=self.device),
+            position_ids=positions,
+            attention_mask=batch.mask(None),
+            use_cache=False,
+            logits_to_keep=1,
+            eagle_slots=batch,
+        )
         self.forwards += 1
         self.fed_tokens += len(rows) * q_len
         return out.logits[:, -1]  # [R, V]
@@ -224,8 +244,10 @@ class ContinuousGenerator:
             if prompt is None:
                 return False
             if len(prompt) + self.sampling.max_new_tokens > self.max_len:
-                raise TargetError(f"conversation {slot.job.id!r}: a prompt of {len(prompt)} tokens does not fit "
-                                  f"the continuous-batching buffer ({self.max_len} positions)")
+                raise TargetError(
+                    f"conversation {slot.job.id!r}: a prompt of {len(prompt)} tokens does not fit "
+                    f"the continuous-batching buffer ({self.max_len} positions)"
+                )
             keep = min(_common_prefix(slot.cached, prompt), len(prompt) - 1)  # reuse the cached history
             slot.cached = slot.cached[:keep]
             slot.pending = prompt[keep:]

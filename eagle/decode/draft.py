@@ -209,8 +209,9 @@ def draft_static(
         if d > 0:  # depth 0 is the root, already in the committed prefix
             order = torch.cat([fed, level])
             hidden_in = out_hidden[parents[level]]
-            out = _draft_forward(head, cache, committed, tokens[level], hidden_in, root_position + d,
-                                 full_mask[level][:, order])
+            out = _draft_forward(
+                head, cache, committed, tokens[level], hidden_in, root_position + d, full_mask[level][:, order]
+            )
             out_hidden[level] = out
             fed = order
         top = _log_probs(head, out_hidden[level]).topk(max_rank, dim=-1).indices  # [F, R]

@@ -126,8 +126,14 @@ class SpeculativeGenerator:
     """EAGLE tree speculative decoding whose output follows the target's own (greedy or sampled) law, unless
     `decode.acceptance` names an approximate rule (then `GenerationResult.shift` measures the difference)."""
 
-    def __init__(self, target: Any, head: DraftHead, tokenizer: Any, decode_cfg: DecodeConfig,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        target: Any,
+        head: DraftHead,
+        tokenizer: Any,
+        decode_cfg: DecodeConfig,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = decode_cfg
@@ -140,13 +146,17 @@ class SpeculativeGenerator:
         self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
         self.block = head.drafts_block  # one pass drafts every depth (DraftHead.draft_block, eagle.decode.block)
         if self.block and self.static is not None:
-            raise EagleError(f"decode.tree=static fills a tree level by level from an autoregressive head; a "
-                             f"{head.config.algorithm} head drafts a block at once: use decode.tree=auto or dynamic")
+            raise EagleError(
+                f"decode.tree=static fills a tree level by level from an autoregressive head; a "
+                f"{head.config.algorithm} head drafts a block at once: use decode.tree=auto or dynamic"
+            )
         vd = head.config.draft_vocab_size
         widest = max(self.static.ranks) + 1 if self.static is not None else decode_cfg.tree_top_k
         if widest > vd:
-            raise EagleError(f"decode tree asks for {widest} children per node but the head's draft vocabulary "
-                             f"has {vd} tokens; lower decode.tree_top_k or the ranks in decode.static_paths")
+            raise EagleError(
+                f"decode tree asks for {widest} children per node but the head's draft vocabulary "
+                f"has {vd} tokens; lower decode.tree_top_k or the ranks in decode.static_paths"
+            )
         self.verify_times: dict[int, float] | None = None  # auto tree: seconds per verify pass by size
         self._step_fixed_s = 0.0  # auto tree: running mean of per-step head time (same for every size)
         self._auto = AutoTreeState()
@@ -166,11 +176,17 @@ class SpeculativeGenerator:
         head's top-1 chain (or its sampled chain), with no prompt-lookup branch grafted on."""
         model_type = getattr(self.target.config, "model_type", "target")
         if self.static is not None:
-            raise EagleError(f"decode.tree=static verifies a tree, but {model_type} has recurrent (linear-attention) "
-                             "layers, which verify one chain per pass: use decode.tree=auto or dynamic")
+            raise EagleError(
+                f"decode.tree=static verifies a tree, but {model_type} has recurrent (linear-attention) "
+                "layers, which verify one chain per pass: use decode.tree=auto or dynamic"
+            )
         if self.lookup_stats is not None:
-            log.info("%s has recurrent layers: drafts are verified as chains, without prompt-lookup branches "
-                     "(decode.lookup_tokens=%d not used)", model_type, self.cfg.lookup_tokens)
+            log.info(
+                "%s has recurrent layers: drafts are verified as chains, without prompt-lookup branches "
+                "(decode.lookup_tokens=%d not used)",
+                model_type,
+                self.cfg.lookup_tokens,
+            )
             self.lookup_stats = None
         self.top_k = 1
 
@@ -185,8 +201,11 @@ class SpeculativeGenerator:
         held = int8_kind(head)
         if held is not None:  # quantised by the caller: drafts as it is, and the report says how
             if self.cfg.draft_weights not in ("auto", held):
-                log.warning("the draft head passed in already holds %s linears; decode.draft_weights=%s is not "
-                            "applied", held, self.cfg.draft_weights)
+                log.warning(
+                    "the draft head passed in already holds %s linears; decode.draft_weights=%s is not applied",
+                    held,
+                    self.cfg.draft_weights,
+                )
             self.draft_weights, self.draft_dtype = held, dtype_name(have)
             return head.eval()
         dtype = resolve_draft_dtype(self.cfg.draft_dtype, target_dtype, self.device)
@@ -194,13 +213,18 @@ class SpeculativeGenerator:
         self.draft_dtype = dtype_name(dtype)
         if self.draft_weights in ("int8", "int8_weight_only"):
             weight_only = self.draft_weights == "int8_weight_only"
-            log.info("draft head: int8 linears, %s (%s head; was %s)", "weight-only kernel" if weight_only
-                     else "dynamically quantised activations", self.draft_dtype, have)
+            log.info(
+                "draft head: int8 linears, %s (%s head; was %s)",
+                "weight-only kernel" if weight_only else "dynamically quantised activations",
+                self.draft_dtype,
+                have,
+            )
             head = quantize_head_int8(head, dtype, weight_only=weight_only)
         else:
             if have != dtype:
-                log.info("casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype,
-                         self.cfg.draft_dtype)
+                log.info(
+                    "casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype
+                )
             head = inference_copy(head, dtype)  # the caller's head keeps its dtype and export names
         return head.eval()
 
@@ -212,15 +236,17 @@ class SpeculativeGenerator:
     def _accept(self, tree: Tree, logits: torch.Tensor) -> tuple[Acceptance, ShiftStats]:  # logits: [N + 1, V]
         c = self.cfg
         if not self.rule.lossless:  # top-k trees only: config validation refuses sampled drafts here
-            return walk_tree_approx(tree.tokens, tree.parents, logits, self.rule, c.temperature, c.top_k, c.top_p,
-                                    generator=self.rng)
+            return walk_tree_approx(
+                tree.tokens, tree.parents, logits, self.rule, c.temperature, c.top_k, c.top_p, generator=self.rng
+            )
         return self._accept_exact(tree, logits), ShiftStats()
 
     def _accept_exact(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         c = self.cfg
         if tree.draft_probs:
-            return walk_tree_sampled(tree.tokens, tree.parents, logits, tree.draft_probs, c.temperature, c.top_k,
-                                     c.top_p, generator=self.rng)
+            return walk_tree_sampled(
+                tree.tokens, tree.parents, logits, tree.draft_probs, c.temperature, c.top_k, c.top_p, generator=self.rng
+            )
         return walk_tree(tree.tokens, tree.parents, logits, c.temperature, c.top_k, c.top_p, generator=self.rng)
 
     def _draft(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int):
@@ -230,12 +256,23 @@ class SpeculativeGenerator:
         if self.sampled:
             depth = c.tree_depth
             if c.tree == "auto":
-                depth = choose_chain_length(self.chain_stats, self.verify_times or {}, self._auto.level_s,
-                                            self._commit_s, c.tree_depth)
+                depth = choose_chain_length(
+                    self.chain_stats, self.verify_times or {}, self._auto.level_s, self._commit_s, c.tree_depth
+                )
                 self._auto.predicted = expected_chain_tokens(self.chain_stats, depth)[depth]
                 self._auto.levels = depth
-            return draft_sampled_chain(self.head, head_cache, root, root_hidden, root_pos, depth, c.temperature,
-                                       c.top_k, c.top_p, generator=self.rng)
+            return draft_sampled_chain(
+                self.head,
+                head_cache,
+                root,
+                root_hidden,
+                root_pos,
+                depth,
+                c.temperature,
+                c.top_k,
+                c.top_p,
+                generator=self.rng,
+            )
         if self.static is not None:
             return draft_static(self.head, head_cache, root, root_hidden, root_pos, self.static)
         if c.tree != "auto":
@@ -243,8 +280,9 @@ class SpeculativeGenerator:
             return tree_from_pool(pool, root, c.tree_total_tokens)
         # Auto: the head's probabilities scaled by how well they predicted acceptance so far; stop
         # drafting deeper when a level cannot pay for itself; keep the size that maximises tokens/s.
-        pool = draft_pool(self.head, head_cache, root_hidden, root_pos, self.top_k, c.tree_depth,
-                          min_gain=self._auto.min_level_gain())
+        pool = draft_pool(
+            self.head, head_cache, root_hidden, root_pos, self.top_k, c.tree_depth, min_gain=self._auto.min_level_gain()
+        )
         return self._auto_tree(pool, root)
 
     def _draft_block(self, head_cache, root: int, root_hidden: torch.Tensor | None, root_pos: int) -> Tree:
@@ -263,8 +301,9 @@ class SpeculativeGenerator:
         c = self.cfg
         alpha = self._auto.calibration
         scores = pool.scores.float() + math.log(alpha)
-        total = choose_tree_size(self.verify_times or {}, scores, default=c.tree_total_tokens,
-                                 fixed_s=self._step_fixed_s)
+        total = choose_tree_size(
+            self.verify_times or {}, scores, default=c.tree_total_tokens, fixed_s=self._step_fixed_s
+        )
         self._auto.predicted = expected_tokens(pool.scores, [total])[0] - 1.0
         self._auto.levels = int(pool.depths.max())
         return tree_from_pool(pool, root, total)
@@ -289,13 +328,18 @@ class SpeculativeGenerator:
 
             g = max(range(g + 1), key=rate)
             n = tree.size + 1 + g
-            grafted = Tree(tokens=grafted.tokens[:n], parents=grafted.parents[:n], depths=grafted.depths[:n],
-                           draft_probs=grafted.draft_probs)
+            grafted = Tree(
+                tokens=grafted.tokens[:n],
+                parents=grafted.parents[:n],
+                depths=grafted.depths[:n],
+                draft_probs=grafted.draft_probs,
+            )
         return grafted, g
 
     @torch.inference_mode()
-    def _commit(self, hcache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
-                ) -> torch.Tensor | None:
+    def _commit(
+        self, hcache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
         """The head reads the verified tokens' target features [T, k, Ht] at their positions [T] (each
         token of `tokens` [T] is the one after them); returns the hidden state that drafts next (EAGLE),
         or None for a head that keeps only the context (DFlash)."""
@@ -309,15 +353,22 @@ class SpeculativeGenerator:
         snapshot.restore()
         crop_cache(tcache, root_pos)
         m = accepted.numel()
-        target_forward(self.target, accepted, torch.arange(root_pos, root_pos + m, device=self.device), tcache,
-                       windows=self.windows, last_logits_only=True)
+        target_forward(
+            self.target,
+            accepted,
+            torch.arange(root_pos, root_pos + m, device=self.device),
+            tcache,
+            windows=self.windows,
+            last_logits_only=True,
+        )
         return time.perf_counter() - t0
 
     def calibrate(self, context_len: int = 128) -> dict[int, float]:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
         if self.verify_times is None:
-            self.verify_times = time_verify_passes(self.target, self.cfg.auto_candidates, context_len,
-                                                   self.windows, self.device, chain=self.recurrent)
+            self.verify_times = time_verify_passes(
+                self.target, self.cfg.auto_candidates, context_len, self.windows, self.device, chain=self.recurrent
+            )
         return self.verify_times
 
     # --- decoding --------------------------------------------------------------------------------
@@ -329,8 +380,12 @@ class SpeculativeGenerator:
         prompt = _as_ids(input_ids, self.device)
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
-        run = _Decoding(res, StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens),
-                        new_cache(self.target.config), self.head.new_draft_cache())
+        run = _Decoding(
+            res,
+            StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens),
+            new_cache(self.target.config),
+            self.head.new_draft_cache(),
+        )
         yield self._prefill(run, prompt)
         while not run.stop.done:
             emitted, acc, features = self._step(run)
@@ -345,8 +400,15 @@ class SpeculativeGenerator:
         """The prompt through the target (its first token, the first root) and the head (its context)."""
         res, n = run.res, prompt.numel()
         t0 = time.perf_counter()
-        out = target_forward(self.target, prompt, torch.arange(n, device=self.device), run.tcache,
-                             feature_layer_ids=self.feature_ids, windows=self.windows, last_logits_only=True)
+        out = target_forward(
+            self.target,
+            prompt,
+            torch.arange(n, device=self.device),
+            run.tcache,
+            feature_layer_ids=self.feature_ids,
+            windows=self.windows,
+            last_logits_only=True,
+        )
         run.root = self._choose(out.logits[-1])
         res.timings.prefill_s = res.timings.target_s = time.perf_counter() - t0
         emitted = run.stop.push([run.root])
@@ -354,8 +416,12 @@ class SpeculativeGenerator:
         if self.lookup_stats is not None:
             run.lookup = NgramLookup(prompt.tolist() + [run.root], self.cfg.lookup_max_ngram, self.cfg.lookup_min_ngram)
         t0 = time.perf_counter()
-        run.root_hidden = self._commit(run.hcache, torch.cat([prompt[1:], torch.tensor([run.root], device=self.device)]),
-                                       out.features, torch.arange(n, device=self.device))
+        run.root_hidden = self._commit(
+            run.hcache,
+            torch.cat([prompt[1:], torch.tensor([run.root], device=self.device)]),
+            out.features,
+            torch.arange(n, device=self.device),
+        )
         res.timings.draft_s += time.perf_counter() - t0
         run.root_pos = n  # = target cache length: the root is not yet in it
         return emitted
@@ -370,14 +436,21 @@ class SpeculativeGenerator:
         tree, grafted = self._graft(tree, chain)
         t1 = time.perf_counter()
         snapshot = RecurrentSnapshot.take(run.tcache) if self.recurrent else None
-        out = target_forward(self.target, tree.tokens, root_pos + tree.depths, run.tcache, tree.mask(),
-                             feature_layer_ids=self.feature_ids, windows=self.windows)
+        out = target_forward(
+            self.target,
+            tree.tokens,
+            root_pos + tree.depths,
+            run.tcache,
+            tree.mask(),
+            feature_layer_ids=self.feature_ids,
+            windows=self.windows,
+        )
         t2 = time.perf_counter()
         acc, shift = self._accept(tree, out.logits)
         shift.positions = len(acc.tokens)  # every reached node emitted one token (exact: shift 0 there)
         res.shift.add(shift)
         if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
-            self.chain_stats.observe(tree.tokens[1: len(tree.draft_probs) + 1].tolist(), acc.tokens)
+            self.chain_stats.observe(tree.tokens[1 : len(tree.draft_probs) + 1].tolist(), acc.tokens)
         if snapshot is not None and acc.nodes.numel() <= tree.size:
             t2 += self._replay(run.tcache, snapshot, tree.tokens[acc.nodes], root_pos)
             res.replays += 1
@@ -411,8 +484,9 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
         m = new.numel()
-        run.root_hidden = self._commit(run.hcache, new, features[acc.nodes],
-                                       torch.arange(run.root_pos, run.root_pos + m, device=self.device))
+        run.root_hidden = self._commit(
+            run.hcache, new, features[acc.nodes], torch.arange(run.root_pos, run.root_pos + m, device=self.device)
+        )
         commit_s = time.perf_counter() - t0
         run.res.timings.draft_s += commit_s
         self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s

@@ -47,26 +47,26 @@ class NgramLookup:
             # The n-grams ending at the current last token gain a successor now (`tok`): index them.
             end = len(seq)
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self._next[tuple(seq[end - n:end])] = end
+                self._next[tuple(seq[end - n : end])] = end
             seq.append(tok)
 
     def propose(self, n: int) -> list[int]:
         """Up to `n` tokens predicted to follow the sequence (empty if no suffix n-gram recurs)."""
         seq = self.tokens
         for size in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
-            start = self._next.get(tuple(seq[len(seq) - size:]))
+            start = self._next.get(tuple(seq[len(seq) - size :]))
             if start is not None:
-                return seq[start:start + n]
+                return seq[start : start + n]
         return []
 
 
 def propose_reference(tokens: list[int], n: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Loop version of `NgramLookup(tokens, ...).propose(n)`: scan backwards for the suffix n-gram."""
     for size in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
-        suffix = tokens[len(tokens) - size:]
+        suffix = tokens[len(tokens) - size :]
         for start in range(len(tokens) - size - 1, -1, -1):  # latest earlier occurrence first
-            if tokens[start:start + size] == suffix:
-                return tokens[start + size:start + size + n]
+            if tokens[start : start + size] == suffix:
+                return tokens[start + size : start + size + n]
     return []
 
 

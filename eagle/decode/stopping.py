@@ -47,7 +47,7 @@ class StopChecker:
 
     def _hits_stop_string(self) -> bool:
         # Only a stop string ending in the newest token counts; earlier ones were checked before.
-        tail = self.generated[-self._window:]
+        tail = self.generated[-self._window :]
         text = self.tokenizer.decode(tail, skip_special_tokens=False)
         prev = self.tokenizer.decode(tail[:-1], skip_special_tokens=False) if len(tail) > 1 else ""
         return any(s in text and s not in prev for s in self.stop_strings)

@@ -140,7 +140,9 @@ def new_cache(config: Any = None) -> DynamicCache:
         return DynamicCache()
     cache = DynamicCache(config=config)  # LinearAttentionLayer for recurrent types, in layer order
     types = _layer_types(config)
-    cache.layers = [layer if t in RECURRENT_TYPES else DynamicLayer() for t, layer in zip(types, cache.layers, strict=True)]
+    cache.layers = [
+        layer if t in RECURRENT_TYPES else DynamicLayer() for t, layer in zip(types, cache.layers, strict=True)
+    ]
     return cache
 
 
@@ -166,8 +168,10 @@ def target_forward(
         tree_mask = causal
     elif recurrent_layer_types(model.config) and not torch.equal(tree_mask, causal):
         # A recurrent layer reads the new tokens in order, each after all the ones before it.
-        raise TargetError(f"{text_config(model.config).model_type} has recurrent layers: a verify pass must be a "
-                          "chain (each token after all earlier ones), not a tree")
+        raise TargetError(
+            f"{text_config(model.config).model_type} has recurrent layers: a verify pass must be a "
+            "chain (each token after all earlier ones), not a tree"
+        )
     mask = build_attention_mask(model, tree_mask, past, position_ids, windows)
     with target_errors(model):
         out = model(

@@ -213,6 +213,9 @@ def reindex_parents(kept: torch.Tensor, pool_parents: torch.Tensor) -> torch.Ten
 def chain_tree(tokens: list[int], device: torch.device, draft_probs: dict[int, torch.Tensor] | None = None) -> Tree:
     """A chain tokens[0] (the root) -> tokens[1] -> ... as a `Tree`; `draft_probs` keyed by depth."""
     n = len(tokens)
-    return Tree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                parents=torch.arange(-1, n - 1, device=device), depths=torch.arange(n, device=device),
-                draft_probs=draft_probs or {})
+    return Tree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.arange(-1, n - 1, device=device),
+        depths=torch.arange(n, device=device),
+        draft_probs=draft_probs or {},
+    )

@@ -92,7 +92,5 @@ def hf_generate(
     device = next(model.parameters()).device
     if decode.temperature > 0:
         torch.manual_seed(decode.seed)
-    out, seconds = timed(
-        lambda: model.generate(input_ids.to(device), attention_mask=attention_mask.to(device), **kw)
-    )
-    return MethodRun(tokens=out[0, input_ids.shape[1]:].tolist(), seconds=seconds)  # out: [1, T + N]
+    out, seconds = timed(lambda: model.generate(input_ids.to(device), attention_mask=attention_mask.to(device), **kw))
+    return MethodRun(tokens=out[0, input_ids.shape[1] :].tolist(), seconds=seconds)  # out: [1, T + N]

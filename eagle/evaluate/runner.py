@@ -136,8 +136,14 @@ def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: Decod
 DivergenceFn = Callable[[torch.Tensor, list[int], list[int], int], dict[str, Any]]
 
 
-def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner], temperature: float,
-               stop_ids: list[int], divergence: DivergenceFn | None = None) -> dict[str, Any]:
+def run_prompt(
+    prompt: EvalPrompt,
+    tokenizer: Any,
+    runners: dict[str, TurnRunner],
+    temperature: float,
+    stop_ids: list[int],
+    divergence: DivergenceFn | None = None,
+) -> dict[str, Any]:
     """All methods on every turn of one prompt; the history follows the speculative answers."""
     turns: list[dict[str, Any]] = []
     answers: list[str] = []
@@ -145,14 +151,20 @@ def run_prompt(prompt: EvalPrompt, tokenizer: Any, runners: dict[str, TurnRunner
         input_ids = turn_inputs(tokenizer, replace(prompt, turns=prompt.turns[: i + 1]), answers)[i]  # [1, T]
         methods = {name: fn(input_ids) for name, fn in runners.items()}
         spec = methods[SPEC]["tokens"]
-        record: dict[str, Any] = {"turn": i, "prompt_tokens": int(input_ids.shape[1]), "methods": methods,
-                                  "greedy_match": None, "first_mismatch": None}
+        record: dict[str, Any] = {
+            "turn": i,
+            "prompt_tokens": int(input_ids.shape[1]),
+            "methods": methods,
+            "greedy_match": None,
+            "first_mismatch": None,
+        }
         if temperature == 0 and "hf_generate" in methods:
             record["first_mismatch"] = first_mismatch(spec, methods["hf_generate"]["tokens"])
             record["greedy_match"] = record["first_mismatch"] is None
             if record["first_mismatch"] is not None and divergence is not None:
-                record["divergence"] = divergence(input_ids, spec, methods["hf_generate"]["tokens"],
-                                                  record["first_mismatch"])
+                record["divergence"] = divergence(
+                    input_ids, spec, methods["hf_generate"]["tokens"], record["first_mismatch"]
+                )
         answers.append(answer_text(tokenizer, spec, stop_ids))
         record["answer"] = answers[-1]
         if "hf_generate" in methods:  # the target alone on the same input (HumanEval scores both)
@@ -167,8 +179,10 @@ def _divergence_fn(cfg: RootConfig, target: Any, device: torch.device, dtype: st
 
     def fn(input_ids: torch.Tensor, ours: list[int], theirs: list[int], position: int) -> dict[str, Any]:
         if holder["model"] is None:
-            log.info("greedy output left HF generate's in %s: loading a float32 copy of the target to check "
-                     "the divergence", dtype)
+            log.info(
+                "greedy output left HF generate's in %s: loading a float32 copy of the target to check the divergence",
+                dtype,
+            )
             holder["model"] = load_target(replace(cfg.target, dtype="float32"), device=device)[0]
         return divergence_at(holder["model"], input_ids, ours, theirs, position)
 
@@ -177,11 +191,17 @@ def _divergence_fn(cfg: RootConfig, target: Any, device: torch.device, dtype: st
 
 def _fingerprint(cfg: RootConfig, decode: DecodeConfig, draft_folder: Path, target_fingerprint: str) -> str:
     """Identity of everything a stored measurement depends on (a retrained head changes it)."""
-    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(draft_folder).iterdir()
-                     if f.is_file())
-    keys = {"target": asdict(cfg.target), "target_fingerprint": target_fingerprint, "draft": str(draft_folder),
-            "draft_files": weights, "decode": asdict(decode),
-            "eval": {k: v for k, v in asdict(cfg.eval).items() if k not in ("tree_sweep", "warmup_prompts")}}
+    weights = sorted(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(draft_folder).iterdir() if f.is_file()
+    )
+    keys = {
+        "target": asdict(cfg.target),
+        "target_fingerprint": target_fingerprint,
+        "draft": str(draft_folder),
+        "draft_files": weights,
+        "decode": asdict(decode),
+        "eval": {k: v for k, v in asdict(cfg.eval).items() if k not in ("tree_sweep", "warmup_prompts")},
+    }
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -219,8 +239,9 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
         out["static_paths"] = decode.static_paths
     else:
         # tree=auto: tree_total_tokens is the fallback; each step picks from auto_candidates.
-        out.update(tree_top_k=decode.tree_top_k, tree_depth=decode.tree_depth,
-                   tree_total_tokens=decode.tree_total_tokens)
+        out.update(
+            tree_top_k=decode.tree_top_k, tree_depth=decode.tree_depth, tree_total_tokens=decode.tree_total_tokens
+        )
     if decode.tree == "auto":
         out["auto_candidates"] = list(decode.auto_candidates)
     if decode.lookup_tokens:
@@ -242,8 +263,16 @@ def _max_depth(decode: DecodeConfig, block_drafts: int | None = None) -> int | N
     return depth
 
 
-def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, device: torch.device,
-                   decode: DecodeConfig, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]]) -> list[dict]:
+def run_tree_sweep(
+    cfg: RootConfig,
+    target: Any,
+    head: Any,
+    tokenizer: Any,
+    device: torch.device,
+    decode: DecodeConfig,
+    prompts: list[EvalPrompt],
+    per_prompt: list[dict[str, Any]],
+) -> list[dict]:
     """Speculative decoding at each `eval.tree_sweep` size on the main run's exact turn inputs."""
     by_id = {p.id: p for p in prompts}
     hf_tokens = sum(p["tokens_by_method"].get("hf_generate", 0) for p in per_prompt)
@@ -252,8 +281,9 @@ def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, devi
     rows = []
     for size in tqdm(cfg.eval.tree_sweep, desc="tree sweep", unit="size"):
         sweep_decode = replace(decode, tree="dynamic", tree_total_tokens=int(size))
-        run = speculative_runner(SpeculativeGenerator(target, head, tokenizer, sweep_decode, device=device),
-                                 sweep_decode)
+        run = speculative_runner(
+            SpeculativeGenerator(target, head, tokenizer, sweep_decode, device=device), sweep_decode
+        )
         tokens = forwards = 0
         seconds = 0.0
         lengths: list[int] = []
@@ -266,8 +296,14 @@ def run_tree_sweep(cfg: RootConfig, target: Any, head: Any, tokenizer: Any, devi
                 forwards += out["target_forwards"]
                 lengths += out["accept_lengths"]
         tps = metrics.throughput(tokens, seconds)
-        rows.append({"tree_total_tokens": int(size), "tau": metrics.tau(lengths, forwards), "tokens_per_s": tps,
-                     "speedup": tps / hf_tps if hf_tps > 0 and tps > 0 else None})
+        rows.append(
+            {
+                "tree_total_tokens": int(size),
+                "tau": metrics.tau(lengths, forwards),
+                "tokens_per_s": tps,
+                "speedup": tps / hf_tps if hf_tps > 0 and tps > 0 else None,
+            }
+        )
     return rows
 
 
@@ -281,19 +317,29 @@ def _plots(report: dict[str, Any], out: Path) -> dict[str, str]:
     hist = {int(k): v for k, v in report["accept_length_histogram"].items()}
     if hist:
         files["accept_length_histogram"] = plots.plot_accept_length_histogram(
-            hist, out / "accept_length_hist.png", title("Acceptance length distribution"))
+            hist, out / "accept_length_hist.png", title("Acceptance length distribution")
+        )
     if report["accept_rate_by_depth"]:
         files["accept_by_depth"] = plots.plot_accept_by_depth(
-            report["accept_rate_by_depth"], report["accept_fraction_by_depth"], out / "accept_by_depth.png",
-            title("Acceptance by draft depth"))
+            report["accept_rate_by_depth"],
+            report["accept_fraction_by_depth"],
+            out / "accept_by_depth.png",
+            title("Acceptance by draft depth"),
+        )
     files["throughput"] = plots.plot_throughput(
-        {m: v["tokens_per_s"] for m, v in report["methods"].items()}, out / "throughput.png",
-        title("Decoding throughput"))
+        {m: v["tokens_per_s"] for m, v in report["methods"].items()},
+        out / "throughput.png",
+        title("Decoding throughput"),
+    )
     sweep = [r for r in report.get("tree_sweep", []) if r["speedup"] is not None]
     if sweep:
         files["speedup_vs_tree"] = plots.plot_speedup_vs_tree(
-            [r["tree_total_tokens"] for r in sweep], [r["speedup"] for r in sweep], [r["tau"] for r in sweep],
-            out / "speedup_vs_tree.png", title("Speedup vs tree size"))
+            [r["tree_total_tokens"] for r in sweep],
+            [r["speedup"] for r in sweep],
+            [r["tau"] for r in sweep],
+            out / "speedup_vs_tree.png",
+            title("Speedup vs tree size"),
+        )
     return {k: str(v) for k, v in files.items()}
 
 
@@ -331,8 +377,13 @@ def evaluate(cfg: RootConfig) -> dict[str, Any]:
         session = _start(cfg)
         # Warm-up: first calls pay for allocator growth and kernel selection; not measured.
         for prompt in tqdm(prompts[: cfg.eval.warmup_prompts], desc="warm-up", unit="prompt"):
-            run_prompt(replace(prompt, turns=prompt.turns[:1]), session.tokenizer, session.runners,
-                       session.decode.temperature, session.stop_ids)
+            run_prompt(
+                replace(prompt, turns=prompt.turns[:1]),
+                session.tokenizer,
+                session.runners,
+                session.decode.temperature,
+                session.stop_ids,
+            )
         per_prompt, reused = _run_prompts(cfg, session, prompts, out)
         report = _report(cfg, session, prompts, per_prompt, reused)
         report["plots"] = _plots(report, out)
@@ -358,12 +409,26 @@ def _start(cfg: RootConfig) -> _Session:
     # validation refuses eval.divergence_check=true with an approximate one, which reports the match only).
     check = rule.lossless if cfg.eval.divergence_check is None else cfg.eval.divergence_check
     divergence = _divergence_fn(cfg, target, device, info.dtype) if check else None
-    return _Session(target, tokenizer, info, head, draft, device, decode, generator, runners,
-                    stop_token_ids(target, tokenizer), rule, check, divergence)
+    return _Session(
+        target,
+        tokenizer,
+        info,
+        head,
+        draft,
+        device,
+        decode,
+        generator,
+        runners,
+        stop_token_ids(target, tokenizer),
+        rule,
+        check,
+        divergence,
+    )
 
 
-def _run_prompts(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], out: Path
-                 ) -> tuple[list[dict[str, Any]], list[str]]:
+def _run_prompts(
+    cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], out: Path
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Every prompt's record, reusing those a run with the same settings finished (progress file), each new
     one appended as it finishes. Returns (records, ids reused)."""
     progress = out / PROGRESS
@@ -373,8 +438,11 @@ def _run_prompts(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], out: P
         progress.unlink()
     reused = [p.id for p in prompts if p.id in done]
     if reused:
-        log.warning("reusing %d finished prompts from %s (same settings); delete it to measure them again",
-                    len(reused), progress)
+        log.warning(
+            "reusing %d finished prompts from %s (same settings); delete it to measure them again",
+            len(reused),
+            progress,
+        )
     per_prompt = []
     for prompt in tqdm(prompts, desc="eval", unit="prompt"):
         if prompt.id in done:
@@ -386,8 +454,9 @@ def _run_prompts(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], out: P
     return per_prompt, reused
 
 
-def _report(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]],
-            reused: list[str]) -> dict[str, Any]:
+def _report(
+    cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]], reused: list[str]
+) -> dict[str, Any]:
     """The report: aggregates, greedy divergences, the tree sweep, the settings it ran with, the records."""
     decode, head = s.decode, s.head
     drafts = get_algorithm(head.config.algorithm).block_drafts(head.config)
@@ -427,8 +496,9 @@ def _settings(cfg: RootConfig, s: _Session, prompts: list[EvalPrompt], reused: l
         "max_new_tokens": decode.max_new_tokens,
         "seed": decode.seed,
         "tree": tree_settings(decode),
-        "auto_verify_seconds": ({str(k): v for k, v in generator.verify_times.items()}
-                                if generator.verify_times else None),
+        "auto_verify_seconds": (
+            {str(k): v for k, v in generator.verify_times.items()} if generator.verify_times else None
+        ),
         "warmup_prompts": cfg.eval.warmup_prompts,
         "resumed_prompt_ids": reused,
         "prompt_lookup_num_tokens": cfg.eval.prompt_lookup_num_tokens,

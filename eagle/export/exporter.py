@@ -51,8 +51,15 @@ log = logging.getLogger(__name__)
 
 # Files an earlier export into the same folder may have left; removed so formats never mix (and a GGUF
 # converted from the old weights is never served beside the new ones).
-_HEAD_FILES = (WEIGHTS_FILE, "model.safetensors.index.json", "pytorch_model.bin", CONFIG_FILE, HEAD_CONFIG_FILE,
-               LLAMACPP_FILE, LLAMACPP_GGUF)
+_HEAD_FILES = (
+    WEIGHTS_FILE,
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    CONFIG_FILE,
+    HEAD_CONFIG_FILE,
+    LLAMACPP_FILE,
+    LLAMACPP_GGUF,
+)
 
 
 def resolve_head_source(path: str | Path) -> tuple[Path, Path | None]:
@@ -82,8 +89,10 @@ def verifier_info(target_path: str | None, verifier: str | None = None, default:
             log.warning("target.path=%s does not resolve locally (%s)", target_path, e)
     if mode == "local":
         if verifier == "local" and local is None:
-            raise ExportError(f"export.verifier=local: target.path={target_path!r} has no local folder (a Hub id "
-                              "or missing file); give export.verifier=FOLDER or a local target.path")
+            raise ExportError(
+                f"export.verifier=local: target.path={target_path!r} has no local folder (a Hub id "
+                "or missing file); give export.verifier=FOLDER or a local target.path"
+            )
         name = str(local) if local is not None else (hub_id_for_target(target_path) if target_path else None)
     elif mode == "hub":
         name = hub_id_for_target(target_path) if target_path else None
@@ -96,8 +105,9 @@ def verifier_info(target_path: str | None, verifier: str | None = None, default:
             archs = list(read_json(folder / CONFIG_FILE).get("architectures") or [])
             break
     else:
-        log.warning("verifier %s: architectures unknown (no local config.json); the speculators verifier lists "
-                    "none", name)
+        log.warning(
+            "verifier %s: architectures unknown (no local config.json); the speculators verifier lists none", name
+        )
     return {"name_or_path": name, "architectures": archs}
 
 
@@ -157,14 +167,14 @@ def _cast(name: str, t: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Te
     return t.detach().to("cpu", torch.bool).contiguous()
 
 
-def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, dtype: str
-                   ) -> dict[str, torch.Tensor]:
+def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, dtype: str) -> dict[str, torch.Tensor]:
     """Our-named tensors -> the exact tensor dict a `fmt` folder stores (renamed, cast, completed)."""
     spec = expected_tensors(cfg)
     unknown = sorted(set(tensors) - set(spec))
     if unknown:
-        raise ExportError(f"the head has tensors the {fmt} format has no place for: {unknown}; exporting would "
-                          "drop them")
+        raise ExportError(
+            f"the head has tensors the {fmt} format has no place for: {unknown}; exporting would drop them"
+        )
     algo = algorithm_of(cfg)
     # What the format may leave out takes the value its absence means (a full-vocabulary EAGLE-3
     # head gets identity maps, so every runtime reads the same thing).
@@ -179,11 +189,20 @@ def format_tensors(cfg: HeadConfig, tensors: dict[str, torch.Tensor], fmt: str, 
     return out
 
 
-def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: str | Path, fmt: str,
-                 dtype: str = "float16", target_path: str | None = None, speculative_tokens: int = 4,
-                 extra_files: dict[str, str] | None = None, embed_tokens: torch.Tensor | None = None,
-                 verifier: str | None = None, verifier_default: str = "local",
-                 local_paths: bool = True) -> ExportedHead:
+def write_export(
+    cfg: HeadConfig,
+    tensors: dict[str, torch.Tensor],
+    output_dir: str | Path,
+    fmt: str,
+    dtype: str = "float16",
+    target_path: str | None = None,
+    speculative_tokens: int = 4,
+    extra_files: dict[str, str] | None = None,
+    embed_tokens: torch.Tensor | None = None,
+    verifier: str | None = None,
+    verifier_default: str = "local",
+    local_paths: bool = True,
+) -> ExportedHead:
     """Write and validate a `fmt` folder for a head given as (HeadConfig, our-named tensors).
 
     A head the format's engine cannot serve is refused first, with nothing written. format=speculators
@@ -199,14 +218,16 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     info = verifier_info(target_path, verifier, verifier_default) if form.names_verifier else None
     config = build_config(cfg, fmt, dtype, verifier=info, speculative_tokens=speculative_tokens)
     if info is not None and not info.get("name_or_path"):
-        raise ExportError(f"format={fmt} needs the target's name for the verifier: set target.path "
-                          "(or export.verifier)")
+        raise ExportError(
+            f"format={fmt} needs the target's name for the verifier: set target.path (or export.verifier)"
+        )
     stored = format_tensors(cfg, tensors, fmt, dtype)
     if form.stores_target_embedding:
         stored[SPECULATORS_EMBED] = _target_embedding(cfg, fmt, embed_tokens, target_path, dtype)
-    extra_files = {**(extra_files or {}),
-                   **form.files(cfg, str(Path(output_dir).resolve()), target_path, local_paths, dtype,
-                                speculative_tokens)}
+    extra_files = {
+        **(extra_files or {}),
+        **form.files(cfg, str(Path(output_dir).resolve()), target_path, local_paths, dtype, speculative_tokens),
+    }
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -229,35 +250,56 @@ def write_export(cfg: HeadConfig, tensors: dict[str, torch.Tensor], output_dir: 
     return check_folder(out, expect_format=fmt, dtype=dtype)
 
 
-def _target_embedding(cfg: HeadConfig, fmt: str, embed: torch.Tensor | None, target_path: str | None,
-                      dtype: str) -> torch.Tensor:
+def _target_embedding(
+    cfg: HeadConfig, fmt: str, embed: torch.Tensor | None, target_path: str | None, dtype: str
+) -> torch.Tensor:
     """The target's input embedding, cast to the export dtype, for a folder that stores it (speculators)."""
     if embed is None:
         if not target_path:
-            raise ExportError(f"format={fmt} stores the target's input embedding (the {get_format(fmt).engine} "
-                              "library would otherwise run on zeros): set target.path to the head's target")
+            raise ExportError(
+                f"format={fmt} stores the target's input embedding (the {get_format(fmt).engine} "
+                "library would otherwise run on zeros): set target.path to the head's target"
+            )
         try:
             embed = target_input_embedding(target_path)
         except EagleError as e:
-            raise ExportError(f"format={fmt} stores the target's input embedding, and it cannot be read "
-                              f"from target.path={target_path!r}: {e}") from e
+            raise ExportError(
+                f"format={fmt} stores the target's input embedding, and it cannot be read "
+                f"from target.path={target_path!r}: {e}"
+            ) from e
     if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ExportError(f"the target's input embedding has shape {list(embed.shape)}, the head expects "
-                          f"[{cfg.vocab_size}, {cfg.hidden_size}]: target.path is not the head's target")
+        raise ExportError(
+            f"the target's input embedding has shape {list(embed.shape)}, the head expects "
+            f"[{cfg.vocab_size}, {cfg.hidden_size}]: target.path is not the head's target"
+        )
     return _cast(SPECULATORS_EMBED, embed, "float", _DTYPES[dtype])
 
 
-def export_head(head: DraftHead, output_dir: str | Path, fmt: str, dtype: str = "float16",
-                target_path: str | None = None, speculative_tokens: int = 4,
-                verifier: str | None = None) -> ExportedHead:
+def export_head(
+    head: DraftHead,
+    output_dir: str | Path,
+    fmt: str,
+    dtype: str = "float16",
+    target_path: str | None = None,
+    speculative_tokens: int = 4,
+    verifier: str | None = None,
+) -> ExportedHead:
     """Export a live head module (its own weights and vocab maps; format=speculators also stores the
     embedding of the target it is attached to, if any, else reads it from `target_path`)."""
     borrowed = getattr(head, "_borrowed", None) or {}
     module = borrowed.get("embed_tokens")
     embed = module.weight.detach() if module is not None and get_format(fmt).stores_target_embedding else None
-    return write_export(head.config, head.trainable_state_dict(), output_dir, fmt, dtype,
-                        target_path=target_path, speculative_tokens=speculative_tokens, embed_tokens=embed,
-                        verifier=verifier)
+    return write_export(
+        head.config,
+        head.trainable_state_dict(),
+        output_dir,
+        fmt,
+        dtype,
+        target_path=target_path,
+        speculative_tokens=speculative_tokens,
+        embed_tokens=embed,
+        verifier=verifier,
+    )
 
 
 def trained_target_path(train_dir: Path | None) -> str | None:
@@ -277,8 +319,10 @@ def served_chain_length(cfg: Any, head: HeadConfig) -> int:
     block = get_algorithm(head.algorithm).block_drafts(head)
     if block is not None:
         if cfg.export.speculative_tokens not in (None, block):
-            raise ExportError(f"export.speculative_tokens={cfg.export.speculative_tokens}: a {head.algorithm} head "
-                              f"drafts {block} tokens a pass, which is what an engine must be given; drop the option")
+            raise ExportError(
+                f"export.speculative_tokens={cfg.export.speculative_tokens}: a {head.algorithm} head "
+                f"drafts {block} tokens a pass, which is what an engine must be given; drop the option"
+            )
         return block
     return cfg.export.speculative_tokens or cfg.decode.tree_depth
 
@@ -297,10 +341,18 @@ def run_export(cfg: Any) -> ExportedHead:
     src, train_dir = resolve_head_source(cfg.draft.path)
     source = check_folder(src)
     target_path = trained_target_path(train_dir) or cfg.target.path
-    head = write_export(source.config, source.tensors, cfg.output_dir, cfg.format, cfg.export.dtype,
-                        target_path=target_path, speculative_tokens=served_chain_length(cfg, source.config),
-                        embed_tokens=source.borrowed.get(SPECULATORS_EMBED),
-                        verifier=cfg.export.verifier, verifier_default="local")
+    head = write_export(
+        source.config,
+        source.tensors,
+        cfg.output_dir,
+        cfg.format,
+        cfg.export.dtype,
+        target_path=target_path,
+        speculative_tokens=served_chain_length(cfg, source.config),
+        embed_tokens=source.borrowed.get(SPECULATORS_EMBED),
+        verifier=cfg.export.verifier,
+        verifier_default="local",
+    )
     print(summary(head))
     return head
 
@@ -322,7 +374,8 @@ def summary(head: ExportedHead) -> str:
         lines += form.summary(head)
     if head.borrowed:
         needs = f"; the {form.engine} library needs it" if form is not None and form.stores_target_embedding else ""
-        lines.append(f"  also stores target-owned {', '.join(sorted(head.borrowed))} (eagle itself borrows the "
-                     f"target's{needs})")
+        lines.append(
+            f"  also stores target-owned {', '.join(sorted(head.borrowed))} (eagle itself borrows the target's{needs})"
+        )
     lines += [f"  note: {m}" for m in head.notes]
     return "\n".join(lines)

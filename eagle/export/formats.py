@@ -80,7 +80,9 @@ def algorithm_of(cfg: HeadConfig) -> Algorithm:
     try:
         return get_algorithm(cfg.algorithm)
     except ConfigError:
-        raise ExportError(f"unknown head algorithm {cfg.algorithm!r} (expected one of {', '.join(ALGORITHMS)})") from None
+        raise ExportError(
+            f"unknown head algorithm {cfg.algorithm!r} (expected one of {', '.join(ALGORITHMS)})"
+        ) from None
 
 
 def expected_tensors(cfg: HeadConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -107,7 +109,7 @@ def to_format_name(name: str, fmt: str, algorithm: str) -> str:
 def from_format_name(name: str, algorithm: str) -> str:
     """A stored tensor name (any supported format or third-party variant) -> our name."""
     if name.startswith("model."):  # some third-party checkpoints keep the runtime's wrapper prefix
-        name = name[len("model."):]
+        name = name[len("model.") :]
     return get_algorithm(algorithm).canonical_tensor_name(name)
 
 
@@ -169,8 +171,10 @@ def detect_algorithm(config: dict[str, Any], where: str) -> str:
         if algo.recognises(config):
             return algo.name
     known = [a for algo in ALGORITHMS.values() for a in algo.known_architectures]
-    raise ExportError(f"{where}: architectures={archs} is not an EAGLE draft head (expected one of "
-                      f"{', '.join(known)}, or a speculators config)")
+    raise ExportError(
+        f"{where}: architectures={archs} is not an EAGLE draft head (expected one of "
+        f"{', '.join(known)}, or a speculators config)"
+    )
 
 
 def _rope_from(layer: dict[str, Any]) -> dict[str, Any]:
@@ -184,8 +188,9 @@ def _rope_from(layer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def head_config_from_config(config: dict[str, Any], where: str, num_target_layers: int | None = None
-                            ) -> tuple[HeadConfig, str]:
+def head_config_from_config(
+    config: dict[str, Any], where: str, num_target_layers: int | None = None
+) -> tuple[HeadConfig, str]:
     """(HeadConfig, format) read from a config.json of any supported format.
 
     Our own folders carry the canonical HeadConfig; third-party folders are read from their
@@ -206,12 +211,14 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
         raise ExportError(f"{where}: transformer_layer_config must be a JSON object")
     for flag in ("norm_before_residual", "norm_before_fc"):
         if config.get(flag) or layer.get(flag):
-            raise ExportError(f"{where}: {flag}=true is a head variant eagle does not implement; such a head "
-                              "cannot be loaded here")
+            raise ExportError(
+                f"{where}: {flag}=true is a head variant eagle does not implement; such a head cannot be loaded here"
+            )
     try:
         if int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ExportError(f"{where}: num_hidden_layers={layer['num_hidden_layers']}; eagle heads have "
-                              "exactly one decoder layer")
+            raise ExportError(
+                f"{where}: num_hidden_layers={layer['num_hidden_layers']}; eagle heads have exactly one decoder layer"
+            )
         h = int(layer["hidden_size"])
         heads = int(layer["num_attention_heads"])
         vocab = int(layer["vocab_size"])
@@ -219,7 +226,8 @@ def head_config_from_config(config: dict[str, Any], where: str, num_target_layer
         if config.get("eagle_aux_hidden_state_layer_ids"):
             aux = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
         elif isinstance(config.get("eagle_config"), dict) and config["eagle_config"].get(
-                "eagle_aux_hidden_state_layer_ids"):
+            "eagle_aux_hidden_state_layer_ids"
+        ):
             aux = [int(i) + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         elif num_aux and num_target_layers is not None:
             aux = default_aux_layer_ids(num_target_layers)

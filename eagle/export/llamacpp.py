@@ -60,8 +60,9 @@ def local_target(target_path: str | None) -> LlamaCppTarget:
         resolved, _ = resolve_target_path(TargetConfig(path=target_path))
         hf_dir = str(Path(resolved).resolve()) if Path(resolved).is_dir() else None
     except EagleError as e:  # a missing file or asset: the commands name a placeholder instead
-        log.warning("target.path=%s does not resolve to a local folder (%s); LLAMACPP.md names TARGET_HF_DIR",
-                    target_path, e)
+        log.warning(
+            "target.path=%s does not resolve to a local folder (%s); LLAMACPP.md names TARGET_HF_DIR", target_path, e
+        )
     return LlamaCppTarget(target_path, hf_dir, gguf)
 
 
@@ -77,33 +78,56 @@ def llamacpp_guide(cfg: HeadConfig, head_dir: str, target: LlamaCppTarget, dtype
     head_gguf = shlex.quote(f"{head_dir}/{LLAMACPP_GGUF}")
     hf_dir = shlex.quote(target.hf_dir) if target.hf_dir else "TARGET_HF_DIR"
     lines = [
-        f"# Serving this {algorithm_of(cfg).title} head with llama.cpp", "",
+        f"# Serving this {algorithm_of(cfg).title} head with llama.cpp",
+        "",
         "This folder is the head in vLLM's layout (`vllm serve` takes it as it is). llama.cpp drafts from a GGUF "
         "file: convert the folder with llama.cpp's converter, then serve the target with it. The flags were "
-        f"checked against llama.cpp {LLAMACPP_VERSION} (`convert_hf_to_gguf.py`, `common/arg.cpp`).", "",
+        f"checked against llama.cpp {LLAMACPP_VERSION} (`convert_hf_to_gguf.py`, `common/arg.cpp`).",
+        "",
         f"Target: `{target.name}`. Draft reads the input of target layers {list(cfg.aux_layer_ids)} "
         "(in config.json as eagle's export format names them; llama.cpp extracts the same, "
-        "common/speculative.cpp).", "",
+        "common/speculative.cpp).",
+        "",
     ]
     if not target.hf_dir:
-        lines += [f"TARGET_HF_DIR: a local Hugging Face folder of `{target.name}` (config.json and tokenizer), e.g. "
-                  f"`hf download {target.name} --local-dir TARGET_HF_DIR`.", ""]
+        lines += [
+            f"TARGET_HF_DIR: a local Hugging Face folder of `{target.name}` (config.json and tokenizer), e.g. "
+            f"`hf download {target.name} --local-dir TARGET_HF_DIR`.",
+            "",
+        ]
     if head_dir == "HEAD_DIR":
         lines += ["HEAD_DIR: a local copy of this folder.", ""]
-    lines += ["1. Convert the head (in a llama.cpp checkout; the tokenizer, vocabulary and layer count come from "
-              "the target's folder):", "", "```bash",
-              f"python convert_hf_to_gguf.py {head} --target-model-dir {hf_dir} --outtype {outtype} "
-              f"--outfile {head_gguf}", "```", ""]
+    lines += [
+        "1. Convert the head (in a llama.cpp checkout; the tokenizer, vocabulary and layer count come from "
+        "the target's folder):",
+        "",
+        "```bash",
+        f"python convert_hf_to_gguf.py {head} --target-model-dir {hf_dir} --outtype {outtype} --outfile {head_gguf}",
+        "```",
+        "",
+    ]
     gguf = shlex.quote(target.gguf) if target.gguf else "target.gguf"
     step = 2
     if not target.gguf:
-        lines += [f"{step}. Convert the target itself (llama-server runs it from a GGUF; a quantised GGUF of the "
-                  "same model works too):", "", "```bash",
-                  f"python convert_hf_to_gguf.py {hf_dir} --outtype {outtype} --outfile target.gguf", "```", ""]
+        lines += [
+            f"{step}. Convert the target itself (llama-server runs it from a GGUF; a quantised GGUF of the "
+            "same model works too):",
+            "",
+            "```bash",
+            f"python convert_hf_to_gguf.py {hf_dir} --outtype {outtype} --outfile target.gguf",
+            "```",
+            "",
+        ]
         step += 1
-    lines += [f"{step}. Serve the target with the head drafting {draft_tokens} tokens a step "
-              "(`--spec-draft-n-max`; eagle-export's `export.speculative_tokens`):", "", "```bash",
-              f"llama-server -m {gguf} --spec-draft-model {head_gguf} --spec-type {algorithm_of(cfg).llamacpp_spec_type} "
-              f"--spec-draft-n-max {draft_tokens}", "```", "",
-              "Re-exporting into this folder removes a `head.gguf` left here, so a stale conversion is never served."]
+    lines += [
+        f"{step}. Serve the target with the head drafting {draft_tokens} tokens a step "
+        "(`--spec-draft-n-max`; eagle-export's `export.speculative_tokens`):",
+        "",
+        "```bash",
+        f"llama-server -m {gguf} --spec-draft-model {head_gguf} --spec-type {algorithm_of(cfg).llamacpp_spec_type} "
+        f"--spec-draft-n-max {draft_tokens}",
+        "```",
+        "",
+        "Re-exporting into this folder removes a `head.gguf` left here, so a stale conversion is never served.",
+    ]
     return "\n".join(lines) + "\n"

@@ -25,8 +25,12 @@ from eagle.target.structure import text_config
 log = logging.getLogger(__name__)
 
 
-def load_exported_head(folder: str | Path, target_model: Any, map_location: str | torch.device = "cpu",
-                       dtype: torch.dtype | None = torch.float32) -> DraftHead:
+def load_exported_head(
+    folder: str | Path,
+    target_model: Any,
+    map_location: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+) -> DraftHead:
     """Validate `folder`, rebuild the head, check it fits `target_model`, attach it.
 
     `dtype`: floating weights are cast to it (float32 by default, for CPU decoding); None keeps
@@ -51,8 +55,9 @@ def load_exported_head(folder: str | Path, target_model: Any, map_location: str 
         state.setdefault(name, value)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ExportError(f"{folder}: tensors do not match an {cfg.algorithm} head: missing {missing}, "
-                          f"unexpected {unexpected}")
+        raise ExportError(
+            f"{folder}: tensors do not match an {cfg.algorithm} head: missing {missing}, unexpected {unexpected}"
+        )
     state = {k: v.to(own[k].dtype) for k, v in state.items()}  # stored fp16/bf16 -> the module's dtype
     head.load_state_dict(state, strict=False)  # exact key match checked above
     if dtype is not None:
@@ -65,15 +70,16 @@ def load_exported_head(folder: str | Path, target_model: Any, map_location: str 
 
 
 def _warn_on_borrowed_mismatch(borrowed: dict[str, torch.Tensor], target_model: Any, folder: str | Path) -> None:
-    targets = {"embed_tokens.weight": target_model.get_input_embeddings(),
-               "lm_head.weight": target_model.get_output_embeddings()}
+    targets = {
+        "embed_tokens.weight": target_model.get_input_embeddings(),
+        "lm_head.weight": target_model.get_output_embeddings(),
+    }
     for name, stored in borrowed.items():
         module = targets.get(name)
         if module is None or module.weight.shape != stored.shape:
             continue
         if not torch.allclose(stored.float(), module.weight.detach().float().cpu(), atol=1e-2, rtol=1e-2):
-            log.warning("%s stores its own %s that differs from the target's; eagle uses the target's",
-                        folder, name)
+            log.warning("%s stores its own %s that differs from the target's; eagle uses the target's", folder, name)
 
 
 def load_draft(path: str | Path | None, target: Any, device: Any = "cpu") -> tuple[DraftHead, ResolvedDraft]:

@@ -49,8 +49,9 @@ class ExportFormat:
     stores_target_embedding: ClassVar[bool] = False  # the folder holds the target's input embedding
     names_verifier: ClassVar[bool] = False  # config.json names the target to load (verifier)
 
-    def config(self, cfg: HeadConfig, algo: Algorithm, dtype: str, verifier: dict[str, Any] | None,
-               speculative_tokens: int) -> dict[str, Any]:
+    def config(
+        self, cfg: HeadConfig, algo: Algorithm, dtype: str, verifier: dict[str, Any] | None, speculative_tokens: int
+    ) -> dict[str, Any]:
         """config.json: the one-layer Llama config the engines build the draft layer from, the algorithm's
         architecture and fields for this format, and our own block (the canonical HeadConfig)."""
         out = llama_layer_config(cfg, dtype)
@@ -63,16 +64,22 @@ class ExportFormat:
         """Stored name -> (shape, kind) the folder holds besides the head's own tensors."""
         return {}
 
-    def files(self, cfg: HeadConfig, folder: str, target_path: str | None, local_paths: bool, dtype: str,
-              speculative_tokens: int) -> dict[str, str]:
+    def files(
+        self,
+        cfg: HeadConfig,
+        folder: str,
+        target_path: str | None,
+        local_paths: bool,
+        dtype: str,
+        speculative_tokens: int,
+    ) -> dict[str, str]:
         """Files the folder adds (name -> text); `folder` is where it is written."""
         return {}
 
     def check_folder(self, head: ExportedHead, where: Path) -> None:
         """Format-specific checks of a folder of this format that eagle wrote (ExportError)."""
 
-    def usage(self, algo: Algorithm, target: str, repo: str, speculative_tokens: int, head: ExportedHead
-              ) -> list[str]:
+    def usage(self, algo: Algorithm, target: str, repo: str, speculative_tokens: int, head: ExportedHead) -> list[str]:
         """The model card's usage lines (markdown)."""
         return []
 
@@ -82,8 +89,12 @@ class ExportFormat:
 
 
 def _vllm_serve(algo: Algorithm, target: str, repo: str, speculative_tokens: int) -> list[str]:
-    served = {"method": algo.vllm_method, "model": repo, "num_speculative_tokens": speculative_tokens,
-              **algo.vllm_options}
+    served = {
+        "method": algo.vllm_method,
+        "model": repo,
+        "num_speculative_tokens": speculative_tokens,
+        **algo.vllm_options,
+    }
     return ["```bash", f"vllm serve {target} --speculative-config '{json.dumps(served)}'", "```"]
 
 
@@ -102,9 +113,13 @@ class SGLangFormat(ExportFormat):
     library = "sglang"
 
     def usage(self, algo, target, repo, speculative_tokens, head):
-        return ["```bash", f"python -m sglang.launch_server --model {target} --speculative-algorithm "
-                f"{algo.sglang_algorithm} --speculative-draft-model-path {repo} --speculative-num-steps 4 "
-                "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16", "```"]
+        return [
+            "```bash",
+            f"python -m sglang.launch_server --model {target} --speculative-algorithm "
+            f"{algo.sglang_algorithm} --speculative-draft-model-path {repo} --speculative-num-steps 4 "
+            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
+            "```",
+        ]
 
 
 class SpeculatorsFormat(ExportFormat):
@@ -137,11 +152,19 @@ class SpeculatorsFormat(ExportFormat):
             "torch_dtype": dtype,
             "speculators_config": {
                 "algorithm": algo.speculators_model_type,
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": speculative_tokens,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier.get("name_or_path"),
-                             "architectures": list(verifier.get("architectures") or [])},
+                "verifier": {
+                    "name_or_path": verifier.get("name_or_path"),
+                    "architectures": list(verifier.get("architectures") or []),
+                },
             },
             EXPORT_META_KEY: export_meta(cfg, self.name),
         }
@@ -157,28 +180,41 @@ class SpeculatorsFormat(ExportFormat):
             assert spec["verifier"]["name_or_path"]
             assert spec["algorithm"] == kind
         except (KeyError, IndexError, TypeError, AssertionError, ValueError) as e:
-            raise ExportError(f"{where}: speculators_config needs algorithm={kind}, proposal_methods[0]."
-                              "speculative_tokens >= 1 and verifier.name_or_path") from e
+            raise ExportError(
+                f"{where}: speculators_config needs algorithm={kind}, proposal_methods[0]."
+                "speculative_tokens >= 1 and verifier.name_or_path"
+            ) from e
 
     def usage(self, algo, target, repo, speculative_tokens, head):
         verifier = ((head.raw_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        lines = [*_vllm_serve(algo, target, repo, speculative_tokens),
-                 "", "With the `speculators` library (checked with speculators 0.9.0):", "", "```python",
-                 "from speculators import SpeculatorModel", "",
-                 f'model = SpeculatorModel.from_pretrained("{repo}")', "```", "",
-                 f"`from_pretrained` reads the verifier's config and LM head from `speculators_config.verifier."
-                 f"name_or_path`, which this folder sets to `{verifier}`. Offline, that must be a local folder of "
-                 "the target: export with `eagle-export ... format=speculators export.verifier=/path/to/target` "
-                 "(`eagle-export` defaults to the local target folder the head was trained on, `eagle-publish` to "
-                 "the target's Hub id), or edit that field."]
+        lines = [
+            *_vllm_serve(algo, target, repo, speculative_tokens),
+            "",
+            "With the `speculators` library (checked with speculators 0.9.0):",
+            "",
+            "```python",
+            "from speculators import SpeculatorModel",
+            "",
+            f'model = SpeculatorModel.from_pretrained("{repo}")',
+            "```",
+            "",
+            f"`from_pretrained` reads the verifier's config and LM head from `speculators_config.verifier."
+            f"name_or_path`, which this folder sets to `{verifier}`. Offline, that must be a local folder of "
+            "the target: export with `eagle-export ... format=speculators export.verifier=/path/to/target` "
+            "(`eagle-export` defaults to the local target folder the head was trained on, `eagle-publish` to "
+            "the target's Hub id), or edit that field.",
+        ]
         embed = head.borrowed.get(SPECULATORS_EMBED)
         if embed is not None:
             size = embed.numel() * embed.element_size()
-            lines += ["", f"`{SPECULATORS_EMBED}` is the target's own input embedding ({embed.shape[0]} x "
-                      f"{embed.shape[1]} x {embed.element_size()} bytes = {size / 2**20:.1f} MiB), stored because "
-                      "the speculators library fills its embedding from the verifier only while it is uninitialised "
-                      "(NaN), which transformers 5 no longer leaves it; without it the head would run on zeros. "
-                      "`eagle` itself uses the target's embedding (the same values)."]
+            lines += [
+                "",
+                f"`{SPECULATORS_EMBED}` is the target's own input embedding ({embed.shape[0]} x "
+                f"{embed.shape[1]} x {embed.element_size()} bytes = {size / 2**20:.1f} MiB), stored because "
+                "the speculators library fills its embedding from the verifier only while it is uninitialised "
+                "(NaN), which transformers 5 no longer leaves it; without it the head would run on zeros. "
+                "`eagle` itself uses the target's embedding (the same values).",
+            ]
         return lines
 
     def summary(self, head):
@@ -213,20 +249,25 @@ class LlamaCppFormat(VLLMFormat):
     def check_folder(self, head, where):
         if not (where / LLAMACPP_FILE).is_file():
             # Without it the folder is a vLLM folder under another name: the commands are what the format adds.
-            raise ExportError(f"{where}: a format=llamacpp folder holds {LLAMACPP_FILE} (the convert and serve "
-                              "commands); re-export it, or check it as the vLLM folder it otherwise is")
+            raise ExportError(
+                f"{where}: a format=llamacpp folder holds {LLAMACPP_FILE} (the convert and serve "
+                "commands); re-export it, or check it as the vLLM folder it otherwise is"
+            )
 
     def usage(self, algo, target, repo, speculative_tokens, head):
-        return ["This folder is the head in vLLM's layout; [LLAMACPP.md](LLAMACPP.md) has the llama.cpp commands "
-                "that convert it to a GGUF draft (`convert_hf_to_gguf.py --target-model-dir`) and serve it "
-                f"(`llama-server --spec-type {algo.llamacpp_spec_type} --spec-draft-n-max {speculative_tokens}`)."]
+        return [
+            "This folder is the head in vLLM's layout; [LLAMACPP.md](LLAMACPP.md) has the llama.cpp commands "
+            "that convert it to a GGUF draft (`convert_hf_to_gguf.py --target-model-dir`) and serve it "
+            f"(`llama-server --spec-type {algo.llamacpp_spec_type} --spec-draft-n-max {speculative_tokens}`)."
+        ]
 
     def summary(self, head):
         return [f"  llama.cpp: the convert and llama-server commands are in {head.folder / LLAMACPP_FILE}"]
 
 
-FORMATS: dict[str, ExportFormat] = {f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(),
-                                                         HFFormat(), LlamaCppFormat())}
+FORMATS: dict[str, ExportFormat] = {
+    f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(), HFFormat(), LlamaCppFormat())
+}
 
 
 def get_format(name: str) -> ExportFormat:
@@ -244,16 +285,18 @@ def check_servable(cfg: HeadConfig, fmt: str) -> None:
     algorithm_of(cfg).check_exportable(cfg, fmt)
 
 
-def build_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
-                 speculative_tokens: int = 4) -> dict[str, Any]:
+def build_config(
+    cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None, speculative_tokens: int = 4
+) -> dict[str, Any]:
     """config.json for `fmt`, for a head the format's engine serves (else ExportError, `check_servable`).
     `verifier` = {"name_or_path", "architectures"} (formats that name one)."""
     check_servable(cfg, fmt)
     return format_config(cfg, fmt, dtype, verifier, speculative_tokens)
 
 
-def format_config(cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None,
-                  speculative_tokens: int = 4) -> dict[str, Any]:
+def format_config(
+    cfg: HeadConfig, fmt: str, dtype: str, verifier: dict[str, Any] | None = None, speculative_tokens: int = 4
+) -> dict[str, Any]:
     """config.json for `fmt` whether or not its engine serves every option of the head: what a folder of
     that format written by eagle holds (validation reads folders that eagle itself can still load)."""
     algo = algorithm_of(cfg)

@@ -147,22 +147,38 @@ def _check_our_config(head: ExportedHead, dtype: str | None) -> None:
         if key not in raw:
             raise ExportError(f"{where}: config field {key!r} is missing (expected {value!r})")
         if raw[key] != value and not (isinstance(value, float) and raw[key] == value):
-            raise ExportError(f"{where}: config field {key!r}={raw[key]!r} does not match the head "
-                              f"({value!r})")
+            raise ExportError(f"{where}: config field {key!r}={raw[key]!r} does not match the head ({value!r})")
     FORMATS[head.format].check_folder(head, head.folder)
 
 
-def check_folder(folder: str | Path, expect_format: str | None = None, dtype: str | None = None,
-                 num_target_layers: int | None = None) -> ExportedHead:
+def check_folder(
+    folder: str | Path, expect_format: str | None = None, dtype: str | None = None, num_target_layers: int | None = None
+) -> ExportedHead:
     """Validate a head folder; returns it in canonical form or raises `ExportError`.
 
     `dtype` (float16 | bfloat16 | float32): every floating tensor must have it; None accepts any
     floating dtype. Folders we wrote are also checked field by field against their format.
     """
     head = read_folder(folder, num_target_layers)
-    cfg, where = head.config, head.folder
     if expect_format is not None and head.format != expect_format:
-        raise ExportError(f"{where} is a {head.format!r} folder, expected format={expect_format!r}")
+        raise ExportError(f"{head.folder} is a {head.format!r} folder, expected format={expect_format!r}")
+    _check_head_config(head)
+    want = _DTYPES[dtype] if dtype else None
+    _check_own_tensors(head, dtype, want)
+    _check_borrowed_tensors(head, dtype, want)
+    if "d2t" in head.tensors or "t2d" in head.tensors:
+        if not ("d2t" in head.tensors and "t2d" in head.tensors):
+            raise ExportError(f"{head.folder}: d2t and t2d must be stored together")
+        check_vocab_maps(head.tensors["d2t"], head.tensors["t2d"], str(head.folder))
+    if head.format in FORMATS and head.raw_config:
+        _check_our_config(head, dtype)  # and the format's own checks (e.g. llamacpp's LLAMACPP.md)
+        _check_stored_names(head)
+    return head
+
+
+def _check_head_config(head: ExportedHead) -> None:
+    """Aux layer ids the algorithm needs; a draft vocabulary within the target's."""
+    cfg, where = head.config, head.folder
     algo = algorithm_of(cfg)
     if n := algo.num_aux_layers:
         if head.format != "third-party" and len(cfg.aux_layer_ids) != n:
@@ -173,58 +189,77 @@ def check_folder(folder: str | Path, expect_format: str | None = None, dtype: st
             head.notes.append("no aux layer ids in the config: runtimes use their default (2, L//2, L-3)")
     if cfg.draft_vocab_size > cfg.vocab_size:
         raise ExportError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size={cfg.vocab_size}")
+
+
+def _check_own_tensors(head: ExportedHead, dtype: str | None, want: torch.dtype | None) -> None:
+    """Exactly the head's tensors (those the format may leave out aside), each of its shape, kind and dtype,
+    all finite."""
+    cfg, where = head.config, head.folder
+    algo = algorithm_of(cfg)
     spec = expected_tensors(cfg)
     optional = set(algo.default_tensors(cfg, head.format))  # e.g. no maps for a full vocabulary
     missing = sorted(set(spec) - set(head.tensors) - optional)
     if missing:
-        raise ExportError(f"{where}: required tensors missing: {', '.join(missing)} (a runtime that skips "
-                          "unknown keys, like SGLang, would silently leave them at their initial values)")
+        raise ExportError(
+            f"{where}: required tensors missing: {', '.join(missing)} (a runtime that skips "
+            "unknown keys, like SGLang, would silently leave them at their initial values)"
+        )
     unexpected = sorted(set(head.tensors) - set(spec))
     if unexpected:
-        raise ExportError(f"{where}: unexpected tensors {', '.join(unexpected)} for a {cfg.algorithm} head "
-                          "of this config")
-    want = _DTYPES[dtype] if dtype else None
+        raise ExportError(
+            f"{where}: unexpected tensors {', '.join(unexpected)} for a {cfg.algorithm} head of this config"
+        )
     for name, t in head.tensors.items():
         shape, kind = spec[name]
         if tuple(t.shape) != shape:
-            raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, the config implies "
-                              f"{_fmt_shape(shape)}")
+            raise ExportError(
+                f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, the config implies {_fmt_shape(shape)}"
+            )
         if tensor_kind(t) != kind:
             raise ExportError(f"{where}: tensor {name} has dtype {t.dtype}, expected a {kind} tensor")
         if kind == "float" and want is not None and t.dtype != want:
             raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
         if kind == "float" and not bool(torch.isfinite(t.float()).all()):
             raise ExportError(f"{where}: tensor {name} holds NaN or inf values")
+
+
+def _check_borrowed_tensors(head: ExportedHead, dtype: str | None, want: torch.dtype | None) -> None:
+    """The target's tensors a folder holds: of the target's shape; one a format stores on purpose (speculators'
+    embedding) also in the export dtype, finite and not all zeros."""
+    cfg, where = head.config, head.folder
     form = FORMATS.get(head.format)
     stored_extra = {from_format_name(n, cfg.algorithm) for n in form.extra_tensors(cfg)} if form else set()
     for name, t in head.borrowed.items():
-        rows = cfg.vocab_size
-        if tuple(t.shape) != (rows, cfg.hidden_size):
-            raise ExportError(f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, expected "
-                              f"{_fmt_shape((rows, cfg.hidden_size))}")
-        if name in stored_extra:  # the target's embedding a format stores (speculators)
+        if tuple(t.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ExportError(
+                f"{where}: tensor {name} has shape {_fmt_shape(t.shape)}, expected "
+                f"{_fmt_shape((cfg.vocab_size, cfg.hidden_size))}"
+            )
+        if name in stored_extra:
             if want is not None and t.dtype != want:
                 raise ExportError(f"{where}: tensor {name} is {t.dtype}, the export dtype is {dtype}")
             if not bool(torch.isfinite(t.float()).all()):
                 raise ExportError(f"{where}: tensor {name} holds NaN or inf values")
             if not bool(t.abs().amax() > 0):
                 raise ExportError(f"{where}: tensor {name} is all zeros (it must be the target's input embedding)")
-    if "d2t" in head.tensors or "t2d" in head.tensors:
-        if not ("d2t" in head.tensors and "t2d" in head.tensors):
-            raise ExportError(f"{where}: d2t and t2d must be stored together")
-        check_vocab_maps(head.tensors["d2t"], head.tensors["t2d"], str(where))
-    if form is not None and head.raw_config:
-        _check_our_config(head, dtype)  # and the format's own checks (e.g. llamacpp's LLAMACPP.md)
-        stored = set(format_keys(cfg, head.format))
-        have = set(head.tensors) | set(head.borrowed)
-        have_stored = {to_format_name(n, head.format, cfg.algorithm) for n in have}
-        if form.stores_target_embedding and SPECULATORS_EMBED not in have_stored:
-            # Written before speculators exports stored the embedding: still a valid head for vLLM and
-            # eagle, but the speculators library would run it on a zero embedding.
-            stored.discard(SPECULATORS_EMBED)
-            head.notes.append(f"no {SPECULATORS_EMBED}: the {form.engine} library (0.9) would run this head on an "
-                              "all-zero input embedding; re-export with this eagle to store the target's")
-        if have_stored != stored:
-            raise ExportError(f"{where}: tensor names {sorted(have_stored ^ stored)} differ from what "
-                              f"format={head.format} prescribes")
-    return head
+
+
+def _check_stored_names(head: ExportedHead) -> None:
+    """A folder eagle wrote stores exactly the names its format prescribes."""
+    cfg, form = head.config, FORMATS[head.format]
+    stored = set(format_keys(cfg, head.format))
+    have = set(head.tensors) | set(head.borrowed)
+    have_stored = {to_format_name(n, head.format, cfg.algorithm) for n in have}
+    if form.stores_target_embedding and SPECULATORS_EMBED not in have_stored:
+        # Written before speculators exports stored the embedding: still a valid head for vLLM and
+        # eagle, but the speculators library would run it on a zero embedding.
+        stored.discard(SPECULATORS_EMBED)
+        head.notes.append(
+            f"no {SPECULATORS_EMBED}: the {form.engine} library (0.9) would run this head on an "
+            "all-zero input embedding; re-export with this eagle to store the target's"
+        )
+    if have_stored != stored:
+        raise ExportError(
+            f"{head.folder}: tensor names {sorted(have_stored ^ stored)} differ from what format={head.format} "
+            "prescribes"
+        )

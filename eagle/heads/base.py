@@ -137,8 +137,9 @@ class DraftHead(nn.Module, ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, H] output hidden -> [B, T, draft_vocab_size] logits."""
 
-    def init_from_target(self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None,
-                         special_ids: Sequence[int] | None) -> None:
+    def init_from_target(
+        self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
+    ) -> None:
         """Initialisation that depends on the target or the data (`build_head`); none by default."""
 
     def start_from_target_layer(self, target_layer: nn.Module) -> list[str]:
@@ -169,8 +170,9 @@ class DraftHead(nn.Module, ABC):
         """An empty decode-time cache for this head (a `transformers.Cache` of its own K/V by default)."""
         return DynamicCache()
 
-    def commit(self, cache: Any, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
-               ) -> torch.Tensor | None:
+    def commit(
+        self, cache: Any, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
         """Append verified entries to the decode cache: target features [T, k, Ht] at `positions` [T],
         each with the token after it `tokens` [T]. Returns the output hidden [H] of the last entry, the
         input that drafts the next step (EAGLE), or None for a head that keeps only the context."""
@@ -178,8 +180,9 @@ class DraftHead(nn.Module, ABC):
         out = self(tokens[None], hidden, (positions + 1)[None], attention_mask=None, past_key_values=cache)
         return out[0, -1]  # [H]
 
-    def draft_block(self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
-                    ) -> torch.Tensor:
+    def draft_block(
+        self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
+    ) -> torch.Tensor:
         """A block drafter's one pass, under inference mode: [D, V] log-probabilities over the target
         vocabulary of the D tokens after the root (the newest accepted token, at `root_position`;
         `root_hidden` is what `commit` returned)."""

@@ -40,8 +40,13 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     bias = first.bias is not None
     if any((lin.bias is not None) != bias or lin.in_features != first.in_features for lin in linears):
         raise ValueError("fuse_linears needs linears of one input width, all with or all without bias")
-    fused = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=bias,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = nn.Linear(
+        first.in_features,
+        sum(lin.out_features for lin in linears),
+        bias=bias,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(torch.cat([lin.weight for lin in linears]))  # [sum N, K]
         if bias:
@@ -244,8 +249,9 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
@@ -299,8 +305,9 @@ class Attention(nn.Module):
             # instead: its output is masked out of every loss, and NaN would leak into gradients.
             mask = mask | ~mask.any(-1, keepdim=True)
         # GQA: each kv head serves num_heads / num_kv_heads query heads, without copying the keys.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, nh, T, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # [B, nh, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

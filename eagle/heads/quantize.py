@@ -58,8 +58,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Plain float32 maths of an int8 weight-only linear: x @ (q * scale)^T + bias."""
     y = x.float() @ (qweight.float() * scales.float()[:, None]).t()
     return y if bias is None else y + bias.float()
@@ -73,8 +74,9 @@ K_BLOCK = 16
 class Int8Linear(nn.Module):
     """A linear layer whose weight is int8 with one scale per output row; activations in `dtype`."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.pad = -self.in_features % K_BLOCK
@@ -130,8 +132,9 @@ class DynamicInt8Linear(nn.Module):
         return cls(q, scales, linear.bias)
 
     def __deepcopy__(self, memo: dict) -> DynamicInt8Linear:
-        return DynamicInt8Linear(self.qweight.clone(), self.scales.clone(),
-                                 None if self.bias is None else self.bias.clone())
+        return DynamicInt8Linear(
+            self.qweight.clone(), self.scales.clone(), None if self.bias is None else self.bias.clone()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -180,5 +183,13 @@ def has_int8_linears(module: nn.Module) -> bool:
     return int8_kind(module) is not None
 
 
-__all__ = ["KEEP_FULL", "DynamicInt8Linear", "Int8Linear", "has_int8_linears", "int8_kind",
-           "int8_linear_reference", "quantize_head_int8", "quantize_rows"]
+__all__ = [
+    "KEEP_FULL",
+    "DynamicInt8Linear",
+    "Int8Linear",
+    "has_int8_linears",
+    "int8_kind",
+    "int8_linear_reference",
+    "quantize_head_int8",
+    "quantize_rows",
+]

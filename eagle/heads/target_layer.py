@@ -33,8 +33,15 @@ from eagle.target.structure import decoder_layer_stacks, text_config
 
 log = logging.getLogger(__name__)
 
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _FUSED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # read cat(embeds, hidden)
 
 
@@ -43,9 +50,11 @@ def target_decoder_layers(target_model: nn.Module) -> nn.ModuleList:
     stacks = decoder_layer_stacks(target_model)
     if len(stacks) != 1:
         n = text_config(target_model.config).num_hidden_layers
-        raise ConfigError(f"train.init_layer_from_target: found {len(stacks)} module lists of "
-                          f"{n} layers in {type(target_model).__name__}, expected exactly one; "
-                          "drop the option for this target")
+        raise ConfigError(
+            f"train.init_layer_from_target: found {len(stacks)} module lists of "
+            f"{n} layers in {type(target_model).__name__}, expected exactly one; "
+            "drop the option for this target"
+        )
     return stacks[0]
 
 
@@ -54,8 +63,10 @@ def pick_target_layer(target_model: nn.Module, index: int) -> tuple[int, nn.Modu
     layers = target_decoder_layers(target_model)
     n = len(layers)
     if not -n <= index < n:
-        raise ConfigError(f"train.init_layer_from_target={index} is outside the target's {n} decoder "
-                          f"layers: use 0..{n - 1}, or -1 for the last")
+        raise ConfigError(
+            f"train.init_layer_from_target={index} is outside the target's {n} decoder "
+            f"layers: use 0..{n - 1}, or -1 for the last"
+        )
     return index % n, layers[index]
 
 
@@ -86,9 +97,11 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
     own = dict(draft.named_parameters())
     missing = [f"{name}.weight" for name in _PROJECTIONS if f"{name}.weight" not in source]
     if missing:
-        raise ConfigError(f"train.init_layer_from_target: the target layer ({type(target_layer).__name__}) "
-                          f"has no {', '.join(missing)}; it is not a Llama-style decoder layer, so drop the "
-                          "option for this target")
+        raise ConfigError(
+            f"train.init_layer_from_target: the target layer ({type(target_layer).__name__}) "
+            f"has no {', '.join(missing)}; it is not a Llama-style decoder layer, so drop the "
+            "option for this target"
+        )
     used: set[str] = set()
     with torch.no_grad():
         for name in _PROJECTIONS:
@@ -98,17 +111,20 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
                     continue
                 dst, src = own[key], source[key].to(own[key])
                 if draft.fused_input and name in _FUSED and kind == "weight":
-                    dst = dst[:, dst.shape[1] - src.shape[1]:]  # [out, H] hidden half of [out, 2H]
+                    dst = dst[:, dst.shape[1] - src.shape[1] :]  # [out, H] hidden half of [out, 2H]
                 if dst.shape != src.shape:
-                    raise ConfigError(f"train.init_layer_from_target: {key} is {tuple(src.shape)} in the target "
-                                      f"and {tuple(dst.shape)} in the draft layer (draft.intermediate_size "
-                                      "must be null to copy the MLP)")
+                    raise ConfigError(
+                        f"train.init_layer_from_target: {key} is {tuple(src.shape)} in the target "
+                        f"and {tuple(dst.shape)} in the draft layer (draft.intermediate_size "
+                        "must be null to copy the MLP)"
+                    )
                 dst.copy_(src)
                 used.add(key)
         modules = dict(target_layer.named_children())
         width = draft.post_attention_layernorm.weight.shape[0]
-        mlp_norm_name = next((n for n in ("pre_feedforward_layernorm", "post_attention_layernorm")
-                              if n in modules), None)
+        mlp_norm_name = next(
+            (n for n in ("pre_feedforward_layernorm", "post_attention_layernorm") if n in modules), None
+        )
         pairs = [(mlp_norm_name, draft.post_attention_layernorm)]
         if draft.fused_input:
             pairs.append(("input_layernorm", draft.hidden_norm))
@@ -119,6 +135,8 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
             used.update(f"{name}.{p}" for p, _ in modules[name].named_parameters())
     left = sorted(set(source) - used)
     if left:
-        log.info("train.init_layer_from_target: left out target parameters the draft layer has no place "
-                 "for: %s", ", ".join(left))
+        log.info(
+            "train.init_layer_from_target: left out target parameters the draft layer has no place for: %s",
+            ", ".join(left),
+        )
     return left

@@ -31,9 +31,7 @@ def count_tokens(token_ids: torch.Tensor, loss_mask: torch.Tensor | None, vocab_
     return torch.bincount(ids, minlength=vocab_size)
 
 
-def select_draft_vocab(
-    counts: torch.Tensor, draft_vocab_size: int, special_ids: Iterable[int] = ()
-) -> torch.Tensor:
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, special_ids: Iterable[int] = ()) -> torch.Tensor:
     """Target ids [draft_vocab_size] of the draft vocabulary, sorted ascending.
 
     Special ids come first in priority, then ids by decreasing count (ties: lower id first); if the
@@ -81,6 +79,10 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
 
 def special_token_ids(target_model: object) -> list[int]:
     """eos / bos / pad ids from a target's config and generation config (any may be a list)."""
-    return sorted(config_token_ids(("eos_token_id", "bos_token_id", "pad_token_id"),
-                                   getattr(target_model, "config", None),
-                                   getattr(target_model, "generation_config", None)))
+    return sorted(
+        config_token_ids(
+            ("eos_token_id", "bos_token_id", "pad_token_id"),
+            getattr(target_model, "config", None),
+            getattr(target_model, "generation_config", None),
+        )
+    )

@@ -54,7 +54,9 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def _takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
-    return 2 <= rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+    return (
+        2 <= rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+    )
 
 
 class SmallBatchLinear(nn.Linear):
@@ -106,11 +108,20 @@ def apply_cpu_gemm(model: nn.Module, choice: str) -> dict[str, Any]:
         largest = max(linears, key=lambda m: m.weight.numel())
         stock_ms, transposed_ms = probe_transposed_gemm(largest.weight.detach())
         use = transposed_ms < PAYS_BELOW * stock_ms
-        decision.update(probe_rows=PROBE_ROWS, probe_shape=list(largest.weight.shape),
-                        stock_ms=round(stock_ms, 3), transposed_ms=round(transposed_ms, 3))
-        log.info("target.cpu_gemm=auto: %d rows x %s float32 linear %.1f ms (torch) vs %.1f ms (W @ x^T): %s",
-                 PROBE_ROWS, tuple(largest.weight.shape), stock_ms, transposed_ms,
-                 f"using W @ x^T for 2-{MAX_ROWS} rows" if use else "keeping torch's kernel")
+        decision.update(
+            probe_rows=PROBE_ROWS,
+            probe_shape=list(largest.weight.shape),
+            stock_ms=round(stock_ms, 3),
+            transposed_ms=round(transposed_ms, 3),
+        )
+        log.info(
+            "target.cpu_gemm=auto: %d rows x %s float32 linear %.1f ms (torch) vs %.1f ms (W @ x^T): %s",
+            PROBE_ROWS,
+            tuple(largest.weight.shape),
+            stock_ms,
+            transposed_ms,
+            f"using W @ x^T for 2-{MAX_ROWS} rows" if use else "keeping torch's kernel",
+        )
     for m in linears:
         m.__class__ = SmallBatchLinear if use else nn.Linear
     if use:
@@ -118,4 +129,12 @@ def apply_cpu_gemm(model: nn.Module, choice: str) -> dict[str, Any]:
     return decision
 
 
-__all__ = ["CPU_GEMM", "MAX_ROWS", "SmallBatchLinear", "apply_cpu_gemm", "median_ms", "probe_transposed_gemm", "transposed_linear"]
+__all__ = [
+    "CPU_GEMM",
+    "MAX_ROWS",
+    "SmallBatchLinear",
+    "apply_cpu_gemm",
+    "median_ms",
+    "probe_transposed_gemm",
+    "transposed_linear",
+]

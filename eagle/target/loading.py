@@ -132,8 +132,15 @@ def load_weights(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> Any:
     return model.eval().requires_grad_(False)
 
 
-def target_info(cfg: TargetConfig, resolved: str, fingerprint: str, model_config: Any, dtype: torch.dtype,
-                gemm: str = "stock", shard: str = "none") -> TargetInfo:
+def target_info(
+    cfg: TargetConfig,
+    resolved: str,
+    fingerprint: str,
+    model_config: Any,
+    dtype: torch.dtype,
+    gemm: str = "stock",
+    shard: str = "none",
+) -> TargetInfo:
     """The `TargetInfo` of a target loaded from `resolved` with `model_config` (its HF config)."""
     text = text_config(model_config)
     return TargetInfo(

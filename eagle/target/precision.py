@@ -134,8 +134,10 @@ def resolve_draft_dtype(name: str, target_dtype: torch.dtype, device: torch.devi
         return torch.bfloat16 if native_dtype_support("bfloat16", device)[0] else target_dtype
     ok, why = native_dtype_support(name, device)
     if not ok:
-        raise TargetError(f"decode.draft_dtype={name} on {device or 'cpu'}: {why}, so torch would emulate {name}; "
-                          "use decode.draft_dtype=auto or decode.draft_dtype=target")
+        raise TargetError(
+            f"decode.draft_dtype={name} on {device or 'cpu'}: {why}, so torch would emulate {name}; "
+            "use decode.draft_dtype=auto or decode.draft_dtype=target"
+        )
     return DTYPES[name]
 
 
@@ -183,7 +185,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["DRAFT_DTYPES", "DRAFT_WEIGHTS", "DTYPES", "DTYPE_NAMES", "MIXED_PRECISION", "cpu_flags", "dtype_name",
-           "dynamic_int8_available",
-           "native_dtype_support", "resolve_draft_dtype", "resolve_draft_weights", "resolve_dtype",
-           "resolve_mixed_precision"]
+__all__ = [
+    "DRAFT_DTYPES",
+    "DRAFT_WEIGHTS",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "MIXED_PRECISION",
+    "cpu_flags",
+    "dtype_name",
+    "dynamic_int8_available",
+    "native_dtype_support",
+    "resolve_draft_dtype",
+    "resolve_draft_weights",
+    "resolve_dtype",
+    "resolve_mixed_precision",
+]

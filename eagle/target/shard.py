@@ -81,8 +81,10 @@ def shard_target(model: nn.Module, mesh: DeviceMesh) -> None:
     decoder = decoder_of(model)
     stacks = decoder_layer_stacks(model)
     if len(stacks) != 1:
-        raise TargetError(f"target.shard=fsdp: found {len(stacks)} module lists of decoder layers in "
-                          f"{type(model).__name__}, expected exactly one; use target.shard=none for this target")
+        raise TargetError(
+            f"target.shard=fsdp: found {len(stacks)} module lists of decoder layers in "
+            f"{type(model).__name__}, expected exactly one; use target.shard=none for this target"
+        )
     in_layers = {id(p) for layer in stacks[0] for p in layer.parameters()}
     whole = {p for p in decoder.parameters() if id(p) not in in_layers}  # embeddings, final norm
     for layer in stacks[0]:
@@ -127,9 +129,12 @@ def _skeleton(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> nn.Module
     try:
         config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                     attn_implementation=attention_implementation(
-                                                         cfg.attn_implementation, config))
+            model = AutoModelForCausalLM.from_config(
+                config,
+                dtype=dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                attn_implementation=attention_implementation(cfg.attn_implementation, config),
+            )
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise TargetError(f"cannot build target.path={cfg.path!r} ({resolved}) for target.shard=fsdp: {e}") from e
     return model.eval().requires_grad_(False)
@@ -151,7 +156,9 @@ def _full_state_on_rank0(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -
     return state
 
 
-def load_sharded_target(cfg: TargetConfig, device: torch.device | str, stage: str = "capture") -> tuple[Any, Any, TargetInfo]:
+def load_sharded_target(
+    cfg: TargetConfig, device: torch.device | str, stage: str = "capture"
+) -> tuple[Any, Any, TargetInfo]:
     """The frozen target as FSDP2 shards over the default process group, its tokenizer and `TargetInfo`.
 
     Every process of the group must call this (it is a collective). Refused (ConfigError) in a single
@@ -184,8 +191,9 @@ def load_sharded_target(cfg: TargetConfig, device: torch.device | str, stage: st
     return model, tokenizer, target_info(cfg, resolved, fingerprint, model.config, dtype, shard=cfg.shard)
 
 
-def load_placed_target(cfg: TargetConfig, device: torch.device | str | None = None,
-                       stage: str = "capture") -> tuple[Any, Any, TargetInfo]:
+def load_placed_target(
+    cfg: TargetConfig, device: torch.device | str | None = None, stage: str = "capture"
+) -> tuple[Any, Any, TargetInfo]:
     """The frozen target as `target.shard` places it in this process: whole (`eagle.target.loading.load_target`)
     or sharded (`load_sharded_target`)."""
     if cfg.shard == "fsdp":

@@ -82,8 +82,10 @@ class OfflineSplit:
         # Half-precision storage is for disk; compute reads float32 features (a few MB per batch).
         # CPU autocast cannot mix float16 inputs into bf16 regions (`at::autocast::prioritize`
         # rejects them), and float32 keeps the soft labels' LM-head input exact.
-        return {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v)
-                for k, v in batch.items()}
+        return {
+            k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v)
+            for k, v in batch.items()
+        }
 
     def idle_forward(self, device: torch.device) -> None:
         """Nothing: features come from disk, no target forward to keep in step."""
@@ -169,8 +171,9 @@ def truncate_item(item: dict[str, Any], max_length: int) -> dict[str, Any]:
 GROUP_WINDOW_BATCHES = 32
 
 
-def group_by_length(order: list[int], lengths: Sequence[int], batch_size: int, max_length: int,
-                    generator: torch.Generator) -> list[int]:
+def group_by_length(
+    order: list[int], lengths: Sequence[int], batch_size: int, max_length: int, generator: torch.Generator
+) -> list[int]:
     """`order` regrouped so that each run of `batch_size` items has similar (truncated) lengths.
 
     Windows of GROUP_WINDOW_BATCHES x batch_size consecutive items are sorted by length and cut

@@ -84,8 +84,13 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         # numpy's key array becomes a tensor; the other fields are plain numbers.
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
-                  int(np_state[3]), float(np_state[4])),
+        "numpy": (
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -198,8 +203,9 @@ def read_state(ckpt: str | Path) -> TrainState:
     return TrainState.from_dict(data, path)
 
 
-def check_resumable(state: TrainState, ckpt: Path, algorithm: str, target_fingerprint: str,
-                    aux_layer_ids: list[int]) -> None:
+def check_resumable(
+    state: TrainState, ckpt: Path, algorithm: str, target_fingerprint: str, aux_layer_ids: list[int]
+) -> None:
     """Refuse a checkpoint of another algorithm, target or layer set (CheckpointError naming both)."""
     if state.algorithm != algorithm:
         raise CheckpointError(
@@ -223,7 +229,9 @@ def load_torch(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle/zip errors of truncated or foreign files
-        raise CheckpointError(f"cannot read {path} ({e}); delete its checkpoint folder to resume from an earlier one") from e
+        raise CheckpointError(
+            f"cannot read {path} ({e}); delete its checkpoint folder to resume from an earlier one"
+        ) from e
 
 
 def load_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:

@@ -21,8 +21,9 @@ from eagle.train.metrics import MetricSums
 
 
 @torch.no_grad()
-def evaluate_heldout(head: DraftHead, lm_head: nn.Module, split: Any, cfg: RootConfig, accelerator: Any,
-                     pad_id: int) -> dict[str, float]:
+def evaluate_heldout(
+    head: DraftHead, lm_head: nn.Module, split: Any, cfg: RootConfig, accelerator: Any, pad_id: int
+) -> dict[str, float]:
     """Held-out metrics over the first `eval_batches x batch_size` conversations (fixed, all ranks)."""
     t = cfg.train
     algo = get_algorithm(cfg.draft.algorithm)
@@ -33,14 +34,20 @@ def evaluate_heldout(head: DraftHead, lm_head: nn.Module, split: Any, cfg: RootC
     head.eval()
     num_items, done = t.eval_batches * t.batch_size, 0
     try:
-        for batch in eval_batches(split, num_items, micro, t.max_length, pad_id,
-                                  accelerator.process_index, accelerator.num_processes):
+        for batch in eval_batches(
+            split, num_items, micro, t.max_length, pad_id, accelerator.process_index, accelerator.num_processes
+        ):
             batch = split.featurize(batch, accelerator.device)
             done += 1
             with accelerator.autocast():
                 parts = algo.forward_loss(head, lm_head, batch, settings, norms=None)
-            sums.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                     float(batch["attention_mask"].sum()))
+            sums.add(
+                parts.step_loss,
+                parts.step_correct,
+                parts.step_tokens,
+                parts.extra,
+                float(batch["attention_mask"].sum()),
+            )
         # Ranks can hold one micro-batch fewer than rank 0; a sharded target's forwards must stay in step.
         for _ in range(eval_batch_count(num_items, len(split), micro, accelerator.num_processes) - done):
             split.idle_forward(accelerator.device)
@@ -58,8 +65,11 @@ def check_heldout_finite(metrics: dict[str, float], head: nn.Module, when: str) 
     if not bad:
         return
     weights_ok = all(bool(torch.isfinite(p).all()) for p in head.parameters())
-    cause = ("the held-out data give non-finite losses (inf/nan features, or target logits that overflow)"
-             if weights_ok else "the head's weights are no longer finite (training diverged: lower train.lr, "
-             "keep train.grad_clip > 0)")
-    raise TrainingError(f"held-out metrics of {when} are not finite ({', '.join(bad)}): {cause}; "
-                        "checkpoints written so far are kept")
+    cause = (
+        "the held-out data give non-finite losses (inf/nan features, or target logits that overflow)"
+        if weights_ok
+        else "the head's weights are no longer finite (training diverged: lower train.lr, keep train.grad_clip > 0)"
+    )
+    raise TrainingError(
+        f"held-out metrics of {when} are not finite ({', '.join(bad)}): {cause}; checkpoints written so far are kept"
+    )

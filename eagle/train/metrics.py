@@ -83,21 +83,32 @@ class MetricSums:
     def _flat(self) -> tuple[list[float], list[str]]:
         """Every sum as one list of floats (a single device-to-host copy), and the extra keys in order."""
         keys = sorted(self.extra)
-        values = [self.tokens, self.computed, *self.step_loss, *self.step_correct, *self.step_tokens,
-                  *(self.extra[k] for k in keys)]
+        values = [
+            self.tokens,
+            self.computed,
+            *self.step_loss,
+            *self.step_correct,
+            *self.step_tokens,
+            *(self.extra[k] for k in keys),
+        ]
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if tensors:
             device = tensors[0].device
-            flat = torch.stack([v.to(device) if isinstance(v, torch.Tensor)
-                                else torch.tensor(v, dtype=torch.float64, device=device) for v in values])
+            flat = torch.stack(
+                [
+                    v.to(device) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64, device=device)
+                    for v in values
+                ]
+            )
             return [float(x) for x in flat.cpu().tolist()], keys
         return [float(v) for v in values], keys
 
     def _from_flat(self, values: list[float], keys: list[str]) -> MetricSums:
         tokens, computed, *v = values
         n = len(self.step_correct)
-        return MetricSums(v[:n], v[n : 2 * n], v[2 * n : 3 * n], dict(zip(keys, v[3 * n :], strict=True)),
-                          tokens, computed)
+        return MetricSums(
+            v[:n], v[n : 2 * n], v[2 * n : 3 * n], dict(zip(keys, v[3 * n :], strict=True)), tokens, computed
+        )
 
     def host(self) -> MetricSums:
         """The same sums as plain floats (one host sync)."""

@@ -41,19 +41,36 @@ from eagle.target.precision import resolve_dtype, resolve_mixed_precision
 from eagle.train.checkpoint import RUN_CONFIG, read_state
 
 # Keys that may change between a checkpoint and its resumption: what is logged, evaluated or kept.
-FREE_KEYS = frozenset({
-    "train.max_steps", "train.max_minutes", "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints",
-    "train.log_every", "train.resume", "train.nonfinite",
-    # Where the target's weights live (whole or sharded over the processes), like the number of processes:
-    # the same features either way.
-    "target.shard",
-})
+FREE_KEYS = frozenset(
+    {
+        "train.max_steps",
+        "train.max_minutes",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.log_every",
+        "train.resume",
+        "train.nonfinite",
+        # Where the target's weights live (whole or sharded over the processes), like the number of processes:
+        # the same features either way.
+        "target.shard",
+    }
+)
 # Settings training never reads, or that only say where things are.
 IGNORED_SECTIONS = ("regenerate", "decode", "eval", "export", "publish", "logger")
-IGNORED_KEYS = frozenset({
-    "output_dir", "device", "format", "draft.path", "target.cache_dir", "target.trust_remote_code",
-    "capture.batch_tokens", "capture.free_space_margin",
-})
+IGNORED_KEYS = frozenset(
+    {
+        "output_dir",
+        "device",
+        "format",
+        "draft.path",
+        "target.cache_dir",
+        "target.trust_remote_code",
+        "capture.batch_tokens",
+        "capture.free_space_margin",
+    }
+)
 # Keys whose values are local paths: compared as resolved absolute paths.
 PATH_KEYS = ("target.path", "data.path", "train.data_dir", "train.init_from")
 
@@ -177,8 +194,10 @@ def _max_steps_note(change: Change, cfg: RootConfig, done: int) -> str:
         return f"the checkpoint is at step {done} already: nothing left to train"
     if t.schedule == "constant":
         return "train.schedule=constant: the lr after warmup does not depend on it"
-    return (f"the {t.schedule} schedule now decays to step {change.new}: updates {done + 1}.. follow it, "
-            f"updates 1..{done} ran under the old one")
+    return (
+        f"the {t.schedule} schedule now decays to step {change.new}: updates {done + 1}.. follow it, "
+        f"updates 1..{done} ran under the old one"
+    )
 
 
 def check_resume(cfg: RootConfig, checkpoint: Path, log: Callable[[str], None] | None = print) -> list[Change]:
@@ -188,8 +207,10 @@ def check_resume(cfg: RootConfig, checkpoint: Path, log: Callable[[str], None] |
     path = checkpoint / RUN_CONFIG
     if not path.is_file():
         if log is not None:
-            log(f"eagle-train: {checkpoint} records no {RUN_CONFIG} (written by an older eagle); "
-                "resuming without comparing its settings with this run's")
+            log(
+                f"eagle-train: {checkpoint} records no {RUN_CONFIG} (written by an older eagle); "
+                "resuming without comparing its settings with this run's"
+            )
         return []
     try:
         old = json.loads(path.read_text())
@@ -210,12 +231,15 @@ def check_resume(cfg: RootConfig, checkpoint: Path, log: Callable[[str], None] |
     if allowed and log is not None:
         done = read_state(checkpoint).step
         described = [
-            Change(c.key, c.old, c.new, c.kind, _max_steps_note(c, cfg, done)).describe() if c.key == "train.max_steps"
+            Change(c.key, c.old, c.new, c.kind, _max_steps_note(c, cfg, done)).describe()
+            if c.key == "train.max_steps"
             else c.describe()
             for c in allowed
         ]
-        log(f"eagle-train: resuming {checkpoint} (step {done}) with changed settings that keep the run's "
-            "trajectory: " + "; ".join(described))
+        log(
+            f"eagle-train: resuming {checkpoint} (step {done}) with changed settings that keep the run's "
+            "trajectory: " + "; ".join(described)
+        )
     return allowed
 
 

@@ -17,8 +17,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from eagle.config import ConfigError, TrainConfig
 
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float,
-              progress: float | None = None) -> float:
+def lr_factor(
+    step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float, progress: float | None = None
+) -> float:
     """Multiplier of the base lr for optimizer step `step` (0-based: the first update uses step 0).
 
     Warmup ramps linearly from 1/warmup to 1 over `warmup_steps` updates (never 0, so the first
@@ -43,12 +44,17 @@ def _budget_factor(step: int, clock: Callable[[], float], **kwargs: Any) -> floa
     return lr_factor(step, progress=clock(), **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                    clock: Callable[[], float] | None = None) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, clock: Callable[[], float] | None = None
+) -> LambdaLR:
     """A `LambdaLR` following `lr_factor` for `cfg` (stepped once per optimizer step). With
     `train.schedule_over=minutes`, `clock()` gives the share of the time budget spent so far."""
-    kwargs: dict[str, Any] = {"warmup_steps": cfg.warmup_steps, "max_steps": cfg.max_steps,
-                              "schedule": cfg.schedule, "min_lr_ratio": cfg.min_lr_ratio}
+    kwargs: dict[str, Any] = {
+        "warmup_steps": cfg.warmup_steps,
+        "max_steps": cfg.max_steps,
+        "schedule": cfg.schedule,
+        "min_lr_ratio": cfg.min_lr_ratio,
+    }
     if cfg.schedule_over == "minutes":
         if clock is None:
             raise ValueError("train.schedule_over=minutes needs the trainer's budget clock")

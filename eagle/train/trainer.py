@@ -112,8 +112,9 @@ class TrainStep(nn.Module):
         self.settings = settings
 
     def forward(self, batch: dict[str, Any], norms: torch.Tensor) -> LossParts:  # type: ignore[override]
-        return self.algorithm.forward_loss(self.head, self._borrowed["lm_head"], batch, self.settings, norms,
-                                           self._label_rows())
+        return self.algorithm.forward_loss(
+            self.head, self._borrowed["lm_head"], batch, self.settings, norms, self._label_rows()
+        )
 
     def _label_rows(self) -> torch.Tensor | None:
         """`Algorithm.label_rows`, gathered once per device (the head's vocab maps are fixed)."""
@@ -195,8 +196,9 @@ class TrainRecipe:
         cfg = self.cfg
         target, tokenizer, info = load_placed_target(cfg.target, device=self.device)
         head_cfg = head_config_from_target(target.config, cfg.draft, info)
-        self.train_split, self.held_split = _build_data(cfg, target, tokenizer, info, list(head_cfg.aux_layer_ids),
-                                                        self.accelerator)
+        self.train_split, self.held_split = _build_data(
+            cfg, target, tokenizer, info, list(head_cfg.aux_layer_ids), self.accelerator
+        )
         self.pad_id = int(tokenizer.pad_token_id or 0)
         return target, info, head_cfg
 
@@ -226,13 +228,15 @@ class TrainRecipe:
         self.scheduler = build_scheduler(optimizer, self.cfg.train, clock=self.budget_spent)
         return optimizer
 
-    def _restore_or_start(self, head: DraftHead, optimizer: torch.optim.Optimizer, head_cfg: HeadConfig,
-                          info: TargetInfo) -> None:
+    def _restore_or_start(
+        self, head: DraftHead, optimizer: torch.optim.Optimizer, head_cfg: HeadConfig, info: TargetInfo
+    ) -> None:
         """A fresh TrainState, or the checkpoint's: head, optimizer, schedule, data position and random
         streams as they were (the per-rank streams, e.g. EAGLE-1's feature noise, restored exactly)."""
         aux = list(head_cfg.aux_layer_ids)
-        self.state = ckpt.TrainState(algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint,
-                                     aux_layer_ids=aux, world_size=self.world)
+        self.state = ckpt.TrainState(
+            algorithm=head_cfg.algorithm, target_fingerprint=info.fingerprint, aux_layer_ids=aux, world_size=self.world
+        )
         rng = None
         if self.resume_from is not None:
             saved = ckpt.read_state(self.resume_from)
@@ -252,9 +256,18 @@ class TrainRecipe:
     def _setup_step(self, head: DraftHead, optimizer: torch.optim.Optimizer) -> None:
         """The batch stream from the saved data position, the algorithm's loss settings, the prepared step."""
         t = self.cfg.train
-        self.stream = BatchStream(self.train_split, t.seed, t.batch_size, t.grad_accum, t.max_length, self.pad_id,
-                                  self.rank, self.world, DataPosition(self.state.epoch, self.state.index),
-                                  group_lengths=t.group_by_length)
+        self.stream = BatchStream(
+            self.train_split,
+            t.seed,
+            t.batch_size,
+            t.grad_accum,
+            t.max_length,
+            self.pad_id,
+            self.rank,
+            self.world,
+            DataPosition(self.state.epoch, self.state.index),
+            group_lengths=t.group_by_length,
+        )
         algo = self.algorithm = get_algorithm(self.cfg.draft.algorithm)
         self.settings = algo.loss_settings(self.cfg.draft, t, self.pad_id, training=True)
         self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)
@@ -263,19 +276,34 @@ class TrainRecipe:
     def _setup_tracking(self, info: TargetInfo) -> None:
         """The result record, the tracker and the counters of logging, evaluation and saving."""
         cfg, acc = self.cfg, self.accelerator
-        self.result = TrainResult(output_dir=self.out, step=self.state.step, stopped="max_steps", best_dir=None,
-                                  best_metric=self.state.best_metric, best_step=self.state.best_step,
-                                  last_checkpoint=self.resume_from, skipped_steps=list(self.state.skipped_steps))
+        self.result = TrainResult(
+            output_dir=self.out,
+            step=self.state.step,
+            stopped="max_steps",
+            best_dir=None,
+            best_metric=self.state.best_metric,
+            best_step=self.state.best_step,
+            last_checkpoint=self.resume_from,
+            skipped_steps=list(self.state.skipped_steps),
+        )
         self.head_extra = {"target": info.source, "target_fingerprint": info.fingerprint}
-        self.tracker = Tracker(cfg.logger, self.out, json.loads(json.dumps(asdict(cfg), default=str)),
-                               total=cfg.train.max_steps, initial=self.state.step, enabled=acc.is_main_process)
+        self.tracker = Tracker(
+            cfg.logger,
+            self.out,
+            json.loads(json.dumps(asdict(cfg), default=str)),
+            total=cfg.train.max_steps,
+            initial=self.state.step,
+            enabled=acc.is_main_process,
+        )
         self.window = MetricSums()  # training sums since the last log line
         self.window_t0, self.window_busy0 = time.perf_counter(), self.timer.total(_NOT_TRAINING)
         self.last_saved_step = self.state.step if self.resume_from is not None else -1
         self.last_eval_step = -1
         if acc.is_main_process and self.resume_from is not None:
-            self.tracker.write(f"eagle-train: resumed from {self.resume_from} (step {self.state.step}, epoch "
-                               f"{self.state.epoch}, item {self.state.index})")
+            self.tracker.write(
+                f"eagle-train: resumed from {self.resume_from} (step {self.state.step}, epoch "
+                f"{self.state.epoch}, item {self.state.index})"
+            )
 
     def _start_from_target_layer(self, head: DraftHead, target: nn.Module, index: int) -> None:
         """`train.init_layer_from_target`: the fresh head's decoder layer from a target layer."""
@@ -283,8 +311,10 @@ class TrainRecipe:
         with gathered(layer):  # target.shard=fsdp: the whole layer on every rank for the copy
             left = head.start_from_target_layer(layer)
         if self.accelerator.is_main_process:
-            print(f"eagle-train: decoder layer initialised from the target's layer {layer_id}"
-                  + (f" (left out: {', '.join(left)})" if left else ""))
+            print(
+                f"eagle-train: decoder layer initialised from the target's layer {layer_id}"
+                + (f" (left out: {', '.join(left)})" if left else "")
+            )
 
     def _warm_start(self, head: DraftHead, target: nn.Module) -> None:
         """Copy the weights (and vocab maps) of `train.init_from` into the freshly built `head`."""
@@ -294,22 +324,34 @@ class TrainRecipe:
         else:
             resolved = resolve_draft(source)
             if resolved.kind != "head":
-                raise ConfigError(f"train.init_from={source!r} is an exported folder; this trainer was built "
-                                  "without the exported-head loader: run eagle-train, or give a saved head")
+                raise ConfigError(
+                    f"train.init_from={source!r} is an exported folder; this trainer was built "
+                    "without the exported-head loader: run eagle-train, or give a saved head"
+                )
             init = load_head(resolved.folder, target_model=target)
-        differ = [f"{f.name}: {getattr(init.config, f.name)!r} there, {getattr(head.config, f.name)!r} here"
-                  for f in fields(head.config) if f.name != "target_fingerprint"
-                  and getattr(init.config, f.name) != getattr(head.config, f.name)]
+        differ = [
+            f"{f.name}: {getattr(init.config, f.name)!r} there, {getattr(head.config, f.name)!r} here"
+            for f in fields(head.config)
+            if f.name != "target_fingerprint" and getattr(init.config, f.name) != getattr(head.config, f.name)
+        ]
         if differ:
-            raise ConfigError(f"train.init_from={source!r} holds a head of another shape than this run builds ("
-                              + "; ".join(differ) + "): set the draft.* options to match it, or drop train.init_from")
+            raise ConfigError(
+                f"train.init_from={source!r} holds a head of another shape than this run builds ("
+                + "; ".join(differ)
+                + "): set the draft.* options to match it, or drop train.init_from"
+            )
         if init.config.target_fingerprint != head.config.target_fingerprint:
-            log.warning("train.init_from=%s was trained against target %s, this run's target is %s",
-                        source, init.config.target_fingerprint or "?", head.config.target_fingerprint or "?")
+            log.warning(
+                "train.init_from=%s was trained against target %s, this run's target is %s",
+                source,
+                init.config.target_fingerprint or "?",
+                head.config.target_fingerprint or "?",
+            )
         own, theirs = head.trainable_state_dict(), init.trainable_state_dict()
         if set(own) != set(theirs):
-            raise CheckpointError(f"train.init_from={source!r}: tensors {sorted(set(own) ^ set(theirs))} differ "
-                                  "from this run's head")
+            raise CheckpointError(
+                f"train.init_from={source!r}: tensors {sorted(set(own) ^ set(theirs))} differ from this run's head"
+            )
         with torch.no_grad():
             for name, value in own.items():
                 value.copy_(theirs[name].to(value.dtype))
@@ -351,8 +393,14 @@ class TrainRecipe:
                 parts = self.wrapper(mb, norms)
                 acc.backward(parts.objective)
             finite = finite & parts.finite.to(self.device)
-            self.window.add(parts.step_loss, parts.step_correct, parts.step_tokens, parts.extra,
-                            mb["attention_mask"].sum(), float(mb["attention_mask"].numel()))
+            self.window.add(
+                parts.step_loss,
+                parts.step_correct,
+                parts.step_tokens,
+                parts.extra,
+                mb["attention_mask"].sum(),
+                float(mb["attention_mask"].numel()),
+            )
         with self.timer("optimizer"):
             norm = acc.clip_grad_norm_(self.params, t.grad_clip) if t.grad_clip > 0 else grad_norm(self.params)
             bad_local = ~finite
@@ -365,8 +413,10 @@ class TrainRecipe:
             if bad:
                 self.optimizer.zero_grad(set_to_none=True)
                 all_ids = gather_object(ids) if self.world > 1 else ids
-                self.tracker.write(f"eagle-train: non-finite loss or gradient at step {state.step + 1} "
-                                   f"(conversations {all_ids}); train.nonfinite={t.nonfinite}")
+                self.tracker.write(
+                    f"eagle-train: non-finite loss or gradient at step {state.step + 1} "
+                    f"(conversations {all_ids}); train.nonfinite={t.nonfinite}"
+                )
                 if t.nonfinite == "stop":
                     self.stream.position = pre_position
                     self.result.last_checkpoint = self.save_checkpoint(pre_rng)
@@ -376,8 +426,9 @@ class TrainRecipe:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             with warnings.catch_warnings():  # a skipped step still moves the schedule on, on purpose
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before",
-                                        category=UserWarning)
+                warnings.filterwarnings(
+                    "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning
+                )
                 self.scheduler.step()
         return StepOutcome(norm, stop_requested)
 
@@ -388,9 +439,13 @@ class TrainRecipe:
             total = self.window.reduce(self.accelerator)
             elapsed = time.perf_counter() - self.window_t0 - (self.timer.total(_NOT_TRAINING) - self.window_busy0)
             metrics = total.summary(self.loss_weights, self.extra_weights)
-            metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(outcome.grad_norm),
-                           tokens_per_s=total.tokens / max(elapsed, 1e-9), padding_share=total.padding_share,
-                           epoch=float(self.stream.position.epoch))
+            metrics.update(
+                lr=self.scheduler.get_last_lr()[0],
+                grad_norm=float(outcome.grad_norm),
+                tokens_per_s=total.tokens / max(elapsed, 1e-9),
+                padding_share=total.padding_share,
+                epoch=float(self.stream.position.epoch),
+            )
             self.result.train_metrics = metrics
             self.state.metrics.update({f"train/{k}": v for k, v in metrics.items()})
             self.tracker.log(metrics, self.state.step, prefix="train")
@@ -404,8 +459,9 @@ class TrainRecipe:
         if self.held_split is None:
             return
         with self.timer("eval"):
-            metrics = evaluate_heldout(self.head, self.lm_head, self.held_split, self.cfg, self.accelerator,
-                                       self.pad_id)
+            metrics = evaluate_heldout(
+                self.head, self.lm_head, self.held_split, self.cfg, self.accelerator, self.pad_id
+            )
         if untrained:
             self.result.initial_eval_metrics = metrics
             self.tracker.log(metrics, 0, prefix="eval_untrained")
@@ -421,8 +477,11 @@ class TrainRecipe:
             state.best_metric, state.best_step = metrics["tau_sim"], state.step
             if self.accelerator.is_main_process:
                 with self.timer("checkpoint"):
-                    ckpt.save_best(self.out, self.head, {**self.head_extra, "step": state.step,
-                                                         **{f"eval_{k}": v for k, v in metrics.items()}})
+                    ckpt.save_best(
+                        self.out,
+                        self.head,
+                        {**self.head_extra, "step": state.step, **{f"eval_{k}": v for k, v in metrics.items()}},
+                    )
             self.accelerator.wait_for_everyone()
 
     def wall_seconds(self) -> float:
@@ -437,9 +496,19 @@ class TrainRecipe:
         with self.timer("checkpoint"):
             self.state.epoch, self.state.index = self.stream.position.epoch, self.stream.position.index
             self.state.wall_seconds = self.wall_seconds()
-            path = ckpt.save_checkpoint(self.out, self.state, self.head, self.optimizer, self.scheduler,
-                                        self.cfg.train.keep_checkpoints, self.rank, self.accelerator.wait_for_everyone,
-                                        rng_override, self.head_extra, run_config=self.resume_record)
+            path = ckpt.save_checkpoint(
+                self.out,
+                self.state,
+                self.head,
+                self.optimizer,
+                self.scheduler,
+                self.cfg.train.keep_checkpoints,
+                self.rank,
+                self.accelerator.wait_for_everyone,
+                rng_override,
+                self.head_extra,
+                run_config=self.resume_record,
+            )
         self.last_saved_step = self.state.step
         return path
 
@@ -462,7 +531,9 @@ class TrainRecipe:
                 state.step += 1
                 if state.step % t.log_every == 0 or state.step == t.max_steps:
                     self.log_window(outcome)
-                shown = {"loss": result.train_metrics["loss"]} if "loss" in result.train_metrics else {}  # none before the first log
+                shown = (
+                    {"loss": result.train_metrics["loss"]} if "loss" in result.train_metrics else {}
+                )  # none before the first log
                 self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], **shown)
                 if state.step % t.eval_every == 0:
                     self.evaluate_heldout()
@@ -472,13 +543,17 @@ class TrainRecipe:
                     self.hooks.on_step_end(state.step)
                 if outcome.stop_requested:
                     result.stopped = "signal"
-                    self.tracker.write(f"eagle-train: stopped by signal after step {state.step}; checkpoint "
-                                       f"{result.last_checkpoint}. Run the same command again to resume.")
+                    self.tracker.write(
+                        f"eagle-train: stopped by signal after step {state.step}; checkpoint "
+                        f"{result.last_checkpoint}. Run the same command again to resume."
+                    )
                     break
                 if deadline is not None and self.past(deadline) and state.step < t.max_steps:
                     result.stopped = "max_minutes"
-                    self.tracker.write(f"eagle-train: train.max_minutes={t.max_minutes} reached after step "
-                                       f"{state.step}; run the same command again to continue.")
+                    self.tracker.write(
+                        f"eagle-train: train.max_minutes={t.max_minutes} reached after step "
+                        f"{state.step}; run the same command again to continue."
+                    )
                     break
             if result.stopped in ("max_steps", "max_minutes"):
                 if self.last_eval_step != state.step:
@@ -517,8 +592,9 @@ class TrainRecipe:
         result.timings = dict(self.timer.seconds)
         if self.accelerator.is_main_process:
             summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
-            ckpt.atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2, sort_keys=True,
-                                                                          default=str) + "\n")
+            ckpt.atomic_write_text(
+                out / "train_summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+            )
         self.accelerator.wait_for_everyone()
         return result
 
@@ -536,8 +612,9 @@ def format_result(result: TrainResult) -> str:
         for label, metrics in (("untrained head", result.initial_eval_metrics), ("held-out", m)):
             if metrics:
                 accs = [f"acc@{i}={metrics[f'acc_{i}']:.3f}" for i in range(len(metrics)) if f"acc_{i}" in metrics]
-                lines.append(f"{label}: loss={metrics['loss']:.4f} " + " ".join(accs)
-                             + f" tau_sim={metrics['tau_sim']:.3f}")
+                lines.append(
+                    f"{label}: loss={metrics['loss']:.4f} " + " ".join(accs) + f" tau_sim={metrics['tau_sim']:.3f}"
+                )
     else:
         lines.append("held-out: no held-out split (data.heldout_fraction=0 or none captured); best/ = final weights")
     if result.best_dir is not None:

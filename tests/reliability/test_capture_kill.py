@@ -34,7 +34,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "eagle.cli.capture", *cli_args(target, data, killed, N, 1)],
-        cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 300
     while not _recorded(killed) and proc.poll() is None and time.monotonic() < deadline:

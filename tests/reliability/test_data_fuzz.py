@@ -48,8 +48,7 @@ def test_any_record_normalises_or_fails_cleanly(record):
 
 
 @FAST
-@given(st.lists(records, max_size=4), st.sampled_from([".json", ".jsonl"]), st.integers(0, 40),
-       st.booleans())
+@given(st.lists(records, max_size=4), st.sampled_from([".json", ".jsonl"]), st.integers(0, 40), st.booleans())
 def test_any_file_loads_or_raises_eagle_error(recs, suffix, cut, as_object):
     if suffix == ".jsonl":
         text = "".join(json.dumps(r) + "\n" for r in recs)
@@ -68,13 +67,20 @@ def test_any_file_loads_or_raises_eagle_error(recs, suffix, cut, as_object):
 
 
 specials = [s for f in FAMILIES for s in TEMPLATES[f][1]]
-contents = st.text(min_size=1, max_size=25) | st.sampled_from(specials).map(lambda s: f" {s} x") | st.sampled_from(
-    ["\u200b", "🙂🙂", " \n\t ok", "{{ x }}", "{% if %}", "Ġ", "\x00", "ok<|im_end|>"])
+contents = (
+    st.text(min_size=1, max_size=25)
+    | st.sampled_from(specials).map(lambda s: f" {s} x")
+    | st.sampled_from(["\u200b", "🙂🙂", " \n\t ok", "{{ x }}", "{% if %}", "Ġ", "\x00", "ok<|im_end|>"])
+)
 
 
 @FAST
-@given(st.sampled_from(FAMILIES), st.lists(contents, min_size=2, max_size=6), st.integers(4, 200),
-       st.sampled_from(["truncate", "drop"]))
+@given(
+    st.sampled_from(FAMILIES),
+    st.lists(contents, min_size=2, max_size=6),
+    st.integers(4, 200),
+    st.sampled_from(["truncate", "drop"]),
+)
 def test_mask_builder_never_crashes(family, texts, max_length, overflow):
     tok = _tokenizers(family)
     messages = [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(texts)]

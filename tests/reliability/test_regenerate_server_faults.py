@@ -24,9 +24,12 @@ from tests.support.data import write_word_salad
 from tests.support.servers import ServedModel, serve_available, start_all
 from tests.tiny_models import save_model
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not serve_available(),
-                                 reason="transformers serve cannot be imported: pip install 'transformers[serving]'")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not serve_available(), reason="transformers serve cannot be imported: pip install 'transformers[serving]'"
+    ),
+]
 
 N = 40  # conversations: at ~0.1 s a turn per server, a run lasts a few seconds, time enough to kill mid-way
 REGEN = RegenerateConfig(backend="server", max_new_tokens=24, requests_per_server=2, request_timeout=120)
@@ -62,8 +65,9 @@ def target(work) -> Path:
 
 @pytest.fixture(scope="module")
 def data(work) -> DataConfig:
-    return DataConfig(source="local", path=str(write_word_salad(work / "data.jsonl", N, max_words=12)),
-                      dedup_against=[])
+    return DataConfig(
+        source="local", path=str(write_word_salad(work / "data.jsonl", N, max_words=12)), dedup_against=[]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +108,20 @@ def test_every_server_killed_stops_with_status_2_then_the_same_command_completes
     a, b = pair
     out_dir = tmp_path / "run"
     out = out_dir / "regenerated.jsonl"
-    cmd = [sys.executable, "-m", "eagle.cli.regenerate", f"target.path={target}", "data=local", f"data.path={data.path}",
-           "data.dedup_against=[]", f"output_dir={out_dir}", "regenerate.backend=server",
-           f"regenerate.servers=[{a.url},{b.url}]", "regenerate.max_new_tokens=24", "regenerate.requests_per_server=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle.cli.regenerate",
+        f"target.path={target}",
+        "data=local",
+        f"data.path={data.path}",
+        "data.dedup_against=[]",
+        f"output_dir={out_dir}",
+        "regenerate.backend=server",
+        f"regenerate.servers=[{a.url},{b.url}]",
+        "regenerate.max_new_tokens=24",
+        "regenerate.requests_per_server=2",
+    ]
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         at_kill = _wait_for_lines(out, 4)

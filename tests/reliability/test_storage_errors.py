@@ -20,8 +20,9 @@ def test_unwritable_output_dir_is_a_clear_error(tmp_path):
         save_resolved_config(cfg, "capture")
 
 
-@pytest.mark.parametrize("code,reason", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"),
-                                         (errno.EACCES, "permission denied")])
+@pytest.mark.parametrize(
+    "code,reason", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]
+)
 def test_storage_errors_get_one_message(code, reason):
     message = storage_error_message("capture", OSError(code, "boom", "/data/shard-00003.safetensors.tmp"))
     assert reason in message and "shard-00003" in message and "resume" in message
@@ -37,7 +38,9 @@ def test_cli_exits_2_with_the_message_on_an_unwritable_output_dir(tmp_path):
     blocker.write_text("keep me")
     proc = subprocess.run(
         [sys.executable, "-m", "eagle.cli.capture", f"output_dir={blocker / 'run'}"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
     assert "not writable" in proc.stderr and "Traceback" not in proc.stderr

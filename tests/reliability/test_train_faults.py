@@ -64,16 +64,20 @@ def straight(ws, tmp_path_factory) -> Path:
 def _child(ws: Workspace, out: Path, mode: str, at: int) -> None:
     overrides = [*ws.base, *train_overrides(out, ws.capture, 7, draft__feature_noise_std=0.2)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(at), *overrides], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(at), *overrides], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("mode,at,expect_latest", [
-    ("between_steps", 5, "step-0000004"),  # killed after step 5; step 4 is the last checkpoint
-    ("during_save", 4, "step-0000002"),  # step 4's files written but never published
-    ("before_pointer", 4, "step-0000004"),  # step 4 published, `latest` still says step 2
-])
+@pytest.mark.parametrize(
+    "mode,at,expect_latest",
+    [
+        ("between_steps", 5, "step-0000004"),  # killed after step 5; step 4 is the last checkpoint
+        ("during_save", 4, "step-0000002"),  # step 4's files written but never published
+        ("before_pointer", 4, "step-0000004"),  # step 4 published, `latest` still says step 2
+    ],
+)
 def test_sigkill_then_resume_matches_uninterrupted(ws, straight, tmp_path, mode, at, expect_latest):
     from eagle.train.checkpoint import find_latest_checkpoint
     from eagle.train.trainer import train

@@ -33,7 +33,9 @@ def make_convs(n: int, seed: int = 0, vocab: int = 300, prefix: str = "c") -> li
     out = []
     for i in range(n):
         t = rng.randint(3, 40)
-        out.append(Conv(f"{prefix}{i}", [rng.randrange(vocab) for _ in range(t)], [rng.randint(0, 1) for _ in range(t)]))
+        out.append(
+            Conv(f"{prefix}{i}", [rng.randrange(vocab) for _ in range(t)], [rng.randint(0, 1) for _ in range(t)])
+        )
     return out
 
 
@@ -47,17 +49,33 @@ DATA = {"fingerprint": "data-0", "config": {"source": "test"}}
 
 def capture(model, splits, out, algorithm="eagle3", aux=None, fingerprint="tiny-llama-0", data=DATA, **cap):
     cfg = CaptureConfig(**{"shard_size": 4, "batch_tokens": 64, **cap})
-    return capture_splits(FeatureSource.in_process(model, info_for(model, fingerprint)), splits, out, cfg, algorithm,
-                          aux, data, progress=False, log=lambda s: None)
+    return capture_splits(
+        FeatureSource.in_process(model, info_for(model, fingerprint)),
+        splits,
+        out,
+        cfg,
+        algorithm,
+        aux,
+        data,
+        progress=False,
+        log=lambda s: None,
+    )
 
 
 # --------------------------------------------------------------------------------------- CLI
 def cli_args(target: Path, data: Path, out: Path, n: int, shard_size: int, *extra: str) -> list[str]:
     """`eagle-capture` arguments for a local conversation file."""
     return [
-        f"target.path={target}", "data=local", f"data.path={data}", f"data.max_conversations={n}",
-        "data.dedup_against=[]", "data.heldout_fraction=0.2", f"capture.shard_size={shard_size}",
-        "capture.batch_tokens=256", f"output_dir={out}", *extra,
+        f"target.path={target}",
+        "data=local",
+        f"data.path={data}",
+        f"data.max_conversations={n}",
+        "data.dedup_against=[]",
+        "data.heldout_fraction=0.2",
+        f"capture.shard_size={shard_size}",
+        "capture.batch_tokens=256",
+        f"output_dir={out}",
+        *extra,
     ]
 
 

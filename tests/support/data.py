@@ -13,10 +13,19 @@ WORDS = "the quick brown fox jumps over lazy dog speculative decoding drafts sev
 
 # Three conversations of 1-2 user turns (one with a system prompt) whose answers regeneration replaces.
 CONVS = [
-    Conversation("a", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello!"},
-                       {"role": "assistant", "content": "ORIGINAL"}, {"role": "user", "content": "Write a poem"},
-                       {"role": "assistant", "content": "ORIGINAL"}]),
-    Conversation("b", [{"role": "user", "content": "The quick brown fox"}, {"role": "assistant", "content": "ORIGINAL"}]),
+    Conversation(
+        "a",
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hello!"},
+            {"role": "assistant", "content": "ORIGINAL"},
+            {"role": "user", "content": "Write a poem"},
+            {"role": "assistant", "content": "ORIGINAL"},
+        ],
+    ),
+    Conversation(
+        "b", [{"role": "user", "content": "The quick brown fox"}, {"role": "assistant", "content": "ORIGINAL"}]
+    ),
     Conversation("c", [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "ORIGINAL"}]),
 ]
 

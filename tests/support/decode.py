@@ -19,13 +19,15 @@ from eagle.config import DecodeConfig, DraftConfig
 from eagle.heads.base import DraftHead, HeadConfig
 
 
-def random_head(target: Any, algorithm: str, draft_vocab_size: int | None = None, seed: int = 0,
-                **options: Any) -> DraftHead:
+def random_head(
+    target: Any, algorithm: str, draft_vocab_size: int | None = None, seed: int = 0, **options: Any
+) -> DraftHead:
     """A freshly initialised head of `algorithm` attached to `target` (EAGLE-3 may use a reduced vocab;
     `options`: other DraftConfig fields, e.g. fc_norm=True)."""
     torch.manual_seed(seed)
-    cfg = head_config_from_target(target.config, DraftConfig(algorithm=algorithm, draft_vocab_size=draft_vocab_size,
-                                                             **options))
+    cfg = head_config_from_target(
+        target.config, DraftConfig(algorithm=algorithm, draft_vocab_size=draft_vocab_size, **options)
+    )
     counts = None
     if get_algorithm(algorithm).head_class.reduced_vocab and cfg.draft_vocab_size < cfg.vocab_size:
         counts = torch.randint(1, 100, (cfg.vocab_size,))
@@ -43,9 +45,17 @@ class OracleHead(DraftHead):
     algorithm: ClassVar[str] = "oracle"
 
     def __init__(self, reference: list[int], vocab_size: int) -> None:
-        cfg = HeadConfig(algorithm="eagle1", hidden_size=4, target_hidden_size=4, vocab_size=vocab_size,
-                         draft_vocab_size=vocab_size, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
-                         intermediate_size=4)
+        cfg = HeadConfig(
+            algorithm="eagle1",
+            hidden_size=4,
+            target_hidden_size=4,
+            vocab_size=vocab_size,
+            draft_vocab_size=vocab_size,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=4,
+            intermediate_size=4,
+        )
         super().__init__(cfg)
         n = len(reference) + 64
         g = torch.Generator().manual_seed(1)
@@ -88,14 +98,16 @@ class OracleHead(DraftHead):
 
 def hf_greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
     """The target's own greedy continuation by HF `generate` (stops at EOS like the decoder)."""
-    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=model.config.pad_token_id)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=model.config.pad_token_id
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def prompt_ids(tok: Any, text: str) -> list[int]:
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def decode_cfg(**kw: Any) -> DecodeConfig:

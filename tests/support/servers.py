@@ -48,11 +48,27 @@ class ServedModel:
 
     def start(self) -> ServedModel:
         """Start the server (returns at once; `wait_ready` waits for it)."""
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(self.folder), "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            str(self.folder),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--log-level",
+            "warning",
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cli_env(),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True
+            )
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> ServedModel:
@@ -60,7 +76,9 @@ class ServedModel:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"transformers serve exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -99,8 +117,13 @@ class FakeServer:
     completion; `fault` (None | "reset" | an HTTP status | "hang") takes over after `fail_after`
     completions: "reset" breaks every connection (a crashed process), "hang" never answers."""
 
-    def __init__(self, reply: Callable[[dict[str, Any]], tuple[str, list[int]]], owned_by: str = "vllm",
-                 models: tuple[str, ...] = ("tiny",), status: bool = False) -> None:
+    def __init__(
+        self,
+        reply: Callable[[dict[str, Any]], tuple[str, list[int]]],
+        owned_by: str = "vllm",
+        models: tuple[str, ...] = ("tiny",),
+        status: bool = False,
+    ) -> None:
         self.reply, self.owned_by, self.models, self.status = reply, owned_by, models, status
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.fault: str | int | None = None

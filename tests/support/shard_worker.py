@@ -49,7 +49,8 @@ def check_family(folder: Path) -> dict[str, bool | int]:
         "features_close": all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5) for k in a) and set(a) == set(b),
         "features_close_after_gather": all(torch.allclose(a[k], again[k], rtol=1e-5, atol=1e-5) for k in a),
         "gathered_layer_equal": same_layer,
-        "layer_sharded": isinstance(sharded_weight, DTensor) and sharded_weight.to_local().numel() < sharded_weight.numel(),
+        "layer_sharded": isinstance(sharded_weight, DTensor)
+        and sharded_weight.to_local().numel() < sharded_weight.numel(),
         "is_sharded": is_sharded(sharded) and not is_sharded(whole),
         "tie_kept": tied == (sharded.get_output_embeddings().weight is sharded.get_input_embeddings().weight),
         "lm_head_equal": torch.equal(whole.get_output_embeddings().weight, sharded.get_output_embeddings().weight),

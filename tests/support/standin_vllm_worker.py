@@ -32,10 +32,15 @@ def vllm_convention_states(model, ids: list[int], layer_ids: list[int]) -> torch
     decoder = model.get_decoder()
     entered: list[torch.Tensor] = []  # what enters layer 0: vLLM's id 0
     outputs: list[torch.Tensor] = []  # what leaves layer i: vLLM's id i + 1
-    hooks = [decoder.layers[0].register_forward_pre_hook(
-        lambda _m, args, kwargs: entered.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)]
-    hooks += [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0] if isinstance(out, tuple) else out))
-              for layer in decoder.layers]
+    hooks = [
+        decoder.layers[0].register_forward_pre_hook(
+            lambda _m, args, kwargs: entered.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+        )
+    ]
+    hooks += [
+        layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        for layer in decoder.layers
+    ]
     try:
         with torch.inference_mode():
             decoder(input_ids=torch.tensor([ids]), use_cache=False)
@@ -59,15 +64,30 @@ def main() -> int:
             assert layer_ids == sorted(set(layer_ids)), "vLLM stores the layer ids sorted and unique"
             model = AutoModelForCausalLM.from_pretrained(msg["model"], dtype=DTYPES[msg["dtype"]]).eval()
             print(f"stand-in engine: {msg['model']} layers {layer_ids}", file=sys.stderr, flush=True)
-            reply = {"event": "ready", "protocol": 1, "vllm": "0.32.0-standin", "platform": "cpu",
-                     "connector": "StandIn", "dtype": msg["dtype"], "startup_s": 0.0}
+            reply = {
+                "event": "ready",
+                "protocol": 1,
+                "vllm": "0.32.0-standin",
+                "platform": "cpu",
+                "connector": "StandIn",
+                "dtype": msg["dtype"],
+                "startup_s": 0.0,
+            }
         elif op == "capture":
             if fail == "capture":
-                print("(Worker pid=1) ERROR 12-07 02:35:18 [multiproc_executor.py:1063] RuntimeError: pin_memory=True "
-                      "requires a CUDA or other accelerator backend; no pinned memory allocator is available on this "
-                      "system.", file=sys.stderr, flush=True)
-                reply = {"event": "error", "op": op, "error": "RuntimeError: vLLM returned x.safetensors but wrote no "
-                         "file there (the engine stopped; its log has the cause)"}
+                print(
+                    "(Worker pid=1) ERROR 12-07 02:35:18 [multiproc_executor.py:1063] RuntimeError: pin_memory=True "
+                    "requires a CUDA or other accelerator backend; no pinned memory allocator is available on this "
+                    "system.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                reply = {
+                    "event": "error",
+                    "op": op,
+                    "error": "RuntimeError: vLLM returned x.safetensors but wrote no "
+                    "file there (the engine stopped; its log has the cause)",
+                }
                 replies.write(json.dumps(reply) + "\n")
                 replies.flush()
                 return 1
@@ -75,8 +95,13 @@ def main() -> int:
             for seq in msg["sequences"]:
                 path = os.path.join(storage, f"{count}-standin.safetensors")
                 count += 1
-                save_file({"hidden_states": vllm_convention_states(model, seq, layer_ids).contiguous(),
-                           "token_ids": torch.tensor(seq)}, path)
+                save_file(
+                    {
+                        "hidden_states": vllm_convention_states(model, seq, layer_ids).contiguous(),
+                        "token_ids": torch.tensor(seq),
+                    },
+                    path,
+                )
                 files.append(path)
             reply = {"event": "states", "files": files, "seconds": 0.0}
         elif op == "stop":

@@ -99,8 +99,15 @@ def assert_same_optimizer_state(a: Path, b: Path, step: int) -> None:
 # One plain-SGD update (-lr x gradient, no clipping, constant lr): weights after it compare the
 # gradients themselves. After AdamW a near-zero gradient moves a weight by ~lr x sign(g), so float
 # summation order (another CPU, BLAS kernel or reduction tree) becomes an lr-sized difference.
-SGD_STEP = dict(train__optimizer="sgd", train__lr=1.0, train__warmup_steps=0, train__schedule="constant",
-                train__grad_clip=0, train__eval_every=100, train__save_every=100)
+SGD_STEP = dict(
+    train__optimizer="sgd",
+    train__lr=1.0,
+    train__warmup_steps=0,
+    train__schedule="constant",
+    train__grad_clip=0,
+    train__eval_every=100,
+    train__save_every=100,
+)
 
 
 def assert_same_update(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -26,8 +26,9 @@ from eagle.config import DraftConfig, TrainConfig
 from eagle.heads.base import DraftHead, HeadConfig
 
 
-def choose_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, count: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def choose_anchors(
+    loss_mask: torch.Tensor, valid: torch.Tensor, count: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """[B, A] anchor positions, -1 padded: up to `count` per row, drawn without replacement among the
     positions a >= 1 (at least one context token) whose token is real and whose next token is a loss
     token (the block's first draft counts). loss_mask, valid: [B, T] bool (x_t is a loss / real token)."""
@@ -41,7 +42,9 @@ def choose_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, count: int,
     return anchors.sort(dim=1, descending=True).values.to(loss_mask.device)  # real anchors first
 
 
-def label_positions(anchors: torch.Tensor, block_size: int, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def label_positions(
+    anchors: torch.Tensor, block_size: int, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions [B, A, Q-1] of the tokens block positions 1..Q-1 predict (a + j), where each counts
     [B, A, Q-1]: a real anchor, inside the sequence, a loss token)."""
     t = loss_mask.shape[1]
@@ -53,8 +56,9 @@ def label_positions(anchors: torch.Tensor, block_size: int, loss_mask: torch.Ten
     return safe, counts
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_inputs(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(block token ids [B, A*Q]: the anchor's token then mask tokens, positions [B, A*Q]: a..a+Q-1)."""
     b, a = anchors.shape
     safe = anchors.clamp(min=0)
@@ -104,11 +108,14 @@ class DFlash(Algorithm):
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf", "llamacpp")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "not written yet: speculators 0.9.0 has a DFlash speculator (speculators/models/dflash) whose "
-                       "checkpoint names have not been mapped to eagle's; export format=vllm",
+        "checkpoint names have not been mapped to eagle's; export format=vllm",
         "sglang": "not written yet: SGLang's DFlash loader has not been read against this layout",
     }
-    architectures: ClassVar[dict[str, str]] = {"vllm": "DFlashDraftModel", "hf": "DFlashDraftModel",
-                                               "llamacpp": "DFlashDraftModel"}
+    architectures: ClassVar[dict[str, str]] = {
+        "vllm": "DFlashDraftModel",
+        "hf": "DFlashDraftModel",
+        "llamacpp": "DFlashDraftModel",
+    }
     llamacpp_spec_type: ClassVar[str] = "draft-dflash"
     known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     vllm_method: ClassVar[str] = "dflash"
@@ -119,11 +126,19 @@ class DFlash(Algorithm):
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
-        return LossSettings(steps=draft.block_size - 1, decay=1.0, feature_weight=0.0, token_weight=1.0,
-                            noise_std=0.0, pad_id=pad_id, loss=train.loss,
-                            position_weights="decay" if train.position_weights == "auto" else train.position_weights,
-                            position_gamma=train.position_gamma, anchors=train.anchors_per_sequence,
-                            block_size=draft.block_size)
+        return LossSettings(
+            steps=draft.block_size - 1,
+            decay=1.0,
+            feature_weight=0.0,
+            token_weight=1.0,
+            noise_std=0.0,
+            pad_id=pad_id,
+            loss=train.loss,
+            position_weights="decay" if train.position_weights == "auto" else train.position_weights,
+            position_gamma=train.position_gamma,
+            anchors=train.anchors_per_sequence,
+            block_size=draft.block_size,
+        )
 
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
         # dpace weighs tokens, not positions: the logged total uses DFlash's static decay in its place.
@@ -138,12 +153,20 @@ class DFlash(Algorithm):
         return batch
 
     def step_token_counts(self, batch: dict[str, Any], settings: LossSettings) -> list[float]:
-        _, counts = label_positions(self.plan_batch(batch, settings)["anchors"], settings.block_size,
-                                    batch["loss_mask"])
+        _, counts = label_positions(
+            self.plan_batch(batch, settings)["anchors"], settings.block_size, batch["loss_mask"]
+        )
         return [float(c) for c in counts.sum((0, 1))]  # per block position 1..Q-1
 
-    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
-                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+    def forward_loss(
+        self,
+        head: DraftHead,
+        lm_head: nn.Module,
+        batch: dict[str, Any],
+        settings: LossSettings,
+        norms: torch.Tensor | None,
+        label_rows: torch.Tensor | None = None,
+    ) -> LossParts:
         s, q_len = settings, settings.block_size
         batch = self.plan_batch(batch, s)
         anchors, valid = batch["anchors"], batch["attention_mask"].to(torch.bool)  # [B, A], [B, T]
@@ -177,8 +200,9 @@ class DFlash(Algorithm):
             step_sum = torch.zeros(n_pos, device=logq.device).index_add(0, j, losses.detach())
             correct = (logq.argmax(-1) == target_logits.argmax(-1)).float()
             step_correct = torch.zeros(n_pos, device=logq.device).index_add(0, j, correct)
-        return LossParts(objective, list(step_sum), list(step_correct), step_tokens, {},
-                         torch.isfinite(objective.detach()))
+        return LossParts(
+            objective, list(step_sum), list(step_correct), step_tokens, {}, torch.isfinite(objective.detach())
+        )
 
     # --- export --------------------------------------------------------------------------------
     def export_refusals(self, cfg: HeadConfig, fmt: str) -> list[str]:
@@ -186,13 +210,21 @@ class DFlash(Algorithm):
         if 0 in cfg.aux_layer_ids:
             # dflash_config.target_layer_ids names layer outputs (ours: layer inputs, id - 1); the embedding
             # output (our id 0) has no such name, in vLLM or in llama.cpp's converter.
-            out.append(f"aux_layer_ids={cfg.aux_layer_ids}: id 0 (the embeddings) is not a decoder layer's output, "
-                       "which is what DFlash's target_layer_ids name; train with draft.aux_layer_ids >= 1")
+            out.append(
+                f"aux_layer_ids={cfg.aux_layer_ids}: id 0 (the embeddings) is not a decoder layer's output, "
+                "which is what DFlash's target_layer_ids name; train with draft.aux_layer_ids >= 1"
+            )
         return out
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
         # Qwen3-shaped draft layers (per-head q/k norms) whatever the target family, as the engines build them.
-        return {"model_type": "qwen3", "num_hidden_layers": cfg.num_layers, "block_size": cfg.block_size,
-                "target_hidden_size": cfg.target_hidden_size,
-                "dflash_config": {"mask_token_id": cfg.mask_token_id,
-                                  "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids]}}
+        return {
+            "model_type": "qwen3",
+            "num_hidden_layers": cfg.num_layers,
+            "block_size": cfg.block_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "dflash_config": {
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+            },
+        }

@@ -63,11 +63,15 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                            cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
@@ -76,8 +80,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, S, H] (context or block) -> k, v [B, nkv, S, D], k normed and rotated."""
         b, s, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -102,9 +105,12 @@ class DFlashAttention(nn.Module):
         if attention_mask is not None:
             mask = attention_mask.to(torch.bool)
             if mask.shape[-1] != k.shape[-2] or mask.shape[-2] != q_len:
-                raise ValueError(f"attention_mask {tuple(mask.shape)} does not fit {q_len} queries x {k.shape[-2]} keys")
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, nh, Q, D]
+                raise ValueError(
+                    f"attention_mask {tuple(mask.shape)} does not fit {q_len} queries x {k.shape[-2]} keys"
+                )
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # [B, nh, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
@@ -118,8 +124,14 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, block: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context_kv: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        block: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         h = block + self.self_attn(self.input_layernorm(block), cos, sin, context_kv, attention_mask)  # [B, Q, H]
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -141,8 +153,9 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
         if config.draft_vocab_size != config.vocab_size:
             raise ValueError("DFlash drafts with the target's own LM head (draft_vocab_size must equal vocab_size)")
         if config.block_size < 2 or config.num_layers < 1:
-            raise ValueError(f"DFlash needs block_size >= 2 and num_layers >= 1, got {config.block_size} and "
-                             f"{config.num_layers}")
+            raise ValueError(
+                f"DFlash needs block_size >= 2 and num_layers >= 1, got {config.block_size} and {config.num_layers}"
+            )
         h, k = config.hidden_size, len(config.aux_layer_ids)
         self.fc = nn.Linear(k * config.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
@@ -172,8 +185,9 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
     def new_draft_cache(self) -> DFlashContextCache:
         return DFlashContextCache(len(self.layers))
 
-    def commit(self, cache: DFlashContextCache, tokens: torch.Tensor, features: torch.Tensor,
-               positions: torch.Tensor) -> None:
+    def commit(
+        self, cache: DFlashContextCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """Append committed target features [S, k, Ht] at `positions` [S] to the context (the tokens
         after them are not read: a block starts from its own anchor)."""
         context = self.project_features(features[None])  # [1, S, H]
@@ -181,8 +195,9 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
             cache.append(i, k, v)
         return None
 
-    def draft_block(self, cache: DFlashContextCache, root_token: int, root_hidden: torch.Tensor | None,
-                    root_position: int) -> torch.Tensor:
+    def draft_block(
+        self, cache: DFlashContextCache, root_token: int, root_hidden: torch.Tensor | None, root_position: int
+    ) -> torch.Tensor:
         return block_log_probs(self, cache, root_token, root_position)  # [Q - 1, V]
 
     def forward(

@@ -33,6 +33,7 @@ from eagle.heads.base import DraftHead, HeadConfig
 # Formats whose EAGLE-1 model builds fc without a bias (vLLM's EagleLlamaForCausalLM); SGLang's has one.
 _NO_FC_BIAS = ("vllm",)
 
+
 class Eagle1(Algorithm):
     name: ClassVar[str] = Eagle1Head.algorithm
     title: ClassVar[str] = "EAGLE-1"
@@ -41,12 +42,15 @@ class Eagle1(Algorithm):
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "sglang", "hf")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "speculators 0.9.0 has no EAGLE-1 model (it registers eagle3, peagle, dflash, dflash2, "
-                       "dspark, mtp and xpress: speculators/models/*/core.py)",
+        "dspark, mtp and xpress: speculators/models/*/core.py)",
         "llamacpp": "llama.cpp b11434 has no EAGLE-1 draft (convert_hf_to_gguf.py registers only the EAGLE-3 "
-                    "architectures, conversion/llama.py; --spec-type offers draft-eagle3, common/speculative.cpp)",
+        "architectures, conversion/llama.py; --spec-type offers draft-eagle3, common/speculative.cpp)",
     }
-    architectures: ClassVar[dict[str, str]] = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle",
-                                               "hf": "EagleLlamaForCausalLM"}
+    architectures: ClassVar[dict[str, str]] = {
+        "vllm": "EagleLlamaForCausalLM",
+        "sglang": "LlamaForCausalLMEagle",
+        "hf": "EagleLlamaForCausalLM",
+    }
     known_architectures: ClassVar[tuple[str, ...]] = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
     speculators_model_type: ClassVar[str | None] = None
     vllm_method: ClassVar[str] = "eagle"
@@ -63,14 +67,22 @@ class Eagle1(Algorithm):
     def summary_weights(self, train: TrainConfig, steps: int) -> tuple[list[float], dict[str, float]]:
         return [train.token_loss_weight] + [0.0] * (steps - 1), {"feature_loss": train.feature_loss_weight}
 
-    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
-                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+    def forward_loss(
+        self,
+        head: DraftHead,
+        lm_head: nn.Module,
+        batch: dict[str, Any],
+        settings: LossSettings,
+        norms: torch.Tensor | None,
+        label_rows: torch.Tensor | None = None,
+    ) -> LossParts:
         s = settings
         a = aligned_inputs(batch, s.pad_id)
         feats = add_feature_noise(batch["final_hidden"], s.noise_std, training=s.noise_std > 0)  # [B, T, H]
         hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
-        outs = ttt_forward(head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id,
-                           dense_mask=s.dense_ttt_mask)  # steps x [B, T, H]
+        outs = ttt_forward(
+            head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id, dense_mask=s.dense_ttt_mask
+        )  # steps x [B, T, H]
         with torch.no_grad():
             next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
         mask = a["loss_mask"] & a["valid"]
@@ -78,9 +90,14 @@ class Eagle1(Algorithm):
             r = eagle1_loss(outs[0], next_feature, lm_head.weight, mask, s.feature_weight, s.token_weight)
             count = torch.tensor(float(r.count), device=r.loss.device)  # eagle1_loss syncs anyway: it chunks by count
             objective = r.loss * (count / token_norms([count], norms)[0])
-            return LossParts(objective, [r.token_loss.detach() * count], [(r.accuracy.to(count.device) * count).round()],
-                             [count], {"feature_loss": r.feature_loss.detach() * count},
-                             torch.isfinite(r.loss.detach()))
+            return LossParts(
+                objective,
+                [r.token_loss.detach() * count],
+                [(r.accuracy.to(count.device) * count).round()],
+                [count],
+                {"feature_loss": r.feature_loss.detach() * count},
+                torch.isfinite(r.loss.detach()),
+            )
         # Evaluation: the full-vocabulary soft CE per unroll step, plus step 0's feature loss as in training.
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
         step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, V]
@@ -90,10 +107,17 @@ class Eagle1(Algorithm):
         t2d = torch.ones(v, dtype=torch.bool, device=target_logits.device)
         d2t = torch.zeros(v, dtype=torch.long, device=target_logits.device)
         objective, step_loss, step_correct, step_tokens, _ = unrolled_soft_ce(
-            step_logits, target_logits, rows, t2d, d2t, s.decay, norms)
+            step_logits, target_logits, rows, t2d, d2t, s.decay, norms
+        )
         diff = torch.nn.functional.smooth_l1_loss(outs[0][mask].float(), next_feature[mask].float(), reduction="none")
-        return LossParts(objective, step_loss, step_correct, step_tokens, {"feature_loss": diff.mean(-1).sum().detach()},
-                         torch.isfinite(objective.detach()))
+        return LossParts(
+            objective,
+            step_loss,
+            step_correct,
+            step_tokens,
+            {"feature_loss": diff.mean(-1).sum().detach()},
+            torch.isfinite(objective.detach()),
+        )
 
     # --- export --------------------------------------------------------------------------------
     def default_tensors(self, cfg: HeadConfig, fmt: str) -> dict[str, torch.Tensor]:
@@ -112,9 +136,11 @@ class Eagle1(Algorithm):
         tensors = dict(tensors)
         bias = tensors.pop("fc.bias")
         if bool(bias.abs().max() > 0):
-            raise ExportError("vLLM's EAGLE-1 model (EagleLlamaForCausalLM) builds fc without a bias, and this "
-                              f"head's fc.bias is non-zero (max |b| = {float(bias.abs().max()):.3g}): a vLLM "
-                              "export would change its outputs. Use format=sglang (fc with bias) or format=hf.")
+            raise ExportError(
+                "vLLM's EAGLE-1 model (EagleLlamaForCausalLM) builds fc without a bias, and this "
+                f"head's fc.bias is non-zero (max |b| = {float(bias.abs().max()):.3g}): a vLLM "
+                "export would change its outputs. Use format=sglang (fc with bias) or format=hf."
+            )
         return tensors
 
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:

@@ -48,8 +48,9 @@ class Eagle3Head(DraftHead):
         self.midlayer = DecoderLayer(config, fused_input=True)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
-                                         for _ in config.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in config.aux_layer_ids
+            )
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
         # Identity vocab maps until `set_draft_vocab` (or a checkpoint) fills them in.
@@ -79,26 +80,33 @@ class Eagle3Head(DraftHead):
         self.d2t.copy_(d2t.to(self.d2t))
         self.t2d.copy_(t2d.to(self.t2d))
 
-    def init_from_target(self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None,
-                         special_ids: Sequence[int] | None) -> None:
+    def init_from_target(
+        self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
+    ) -> None:
         """Choose the draft vocabulary (a reduced one needs the training data's token counts [V];
         special ids, default the target's eos/bos/pad, are always kept) and start `lm_head` from the
         target's LM-head rows of that vocabulary."""
         cfg = self.config
         if cfg.draft_vocab_size < cfg.vocab_size:
             if vocab_counts is None:
-                raise ConfigError(f"draft.draft_vocab_size={cfg.draft_vocab_size} < vocabulary "
-                                  f"{cfg.vocab_size}: token counts of the training data are needed to "
-                                  "choose the draft vocabulary (or set draft.draft_vocab_size=null)")
+                raise ConfigError(
+                    f"draft.draft_vocab_size={cfg.draft_vocab_size} < vocabulary "
+                    f"{cfg.vocab_size}: token counts of the training data are needed to "
+                    "choose the draft vocabulary (or set draft.draft_vocab_size=null)"
+                )
             if vocab_counts.numel() != cfg.vocab_size:
-                raise ConfigError(f"vocab_counts has {vocab_counts.numel()} entries, the target vocabulary "
-                                  f"{cfg.vocab_size}")
+                raise ConfigError(
+                    f"vocab_counts has {vocab_counts.numel()} entries, the target vocabulary {cfg.vocab_size}"
+                )
             if special_ids is None:
                 special_ids = special_token_ids(target_model) if target_model is not None else []
             ids, d2t, t2d = draft_vocab_from_counts(vocab_counts.cpu(), cfg.draft_vocab_size, special_ids)
             self.set_draft_vocab(d2t, t2d)
-            log.info("draft vocabulary: %d ids cover %.1f%% of the training tokens",
-                     ids.numel(), 100 * coverage(vocab_counts.cpu(), t2d))
+            log.info(
+                "draft vocabulary: %d ids cover %.1f%% of the training tokens",
+                ids.numel(),
+                100 * coverage(vocab_counts.cpu(), t2d),
+            )
         if target_model is not None:
             out = target_model.get_output_embeddings()
             if out is not None and out.weight.shape[0] >= cfg.vocab_size:
@@ -115,7 +123,7 @@ class Eagle3Head(DraftHead):
         if h == ht:
             with torch.no_grad():
                 self.fc.weight.zero_()  # [H, k * Ht]
-                self.fc.weight[:, (k - 1) * ht:].copy_(torch.eye(h))
+                self.fc.weight[:, (k - 1) * ht :].copy_(torch.eye(h))
         return left
 
     def freeze_lm_head(self, target_model: nn.Module | None) -> None:
@@ -126,11 +134,17 @@ class Eagle3Head(DraftHead):
         if target_model is not None:
             final = target_final_norm(target_model)
             if final is None:
-                log.info("train.freeze_lm_head: the target has no final norm by a known name; the head's "
-                         "norm keeps its own initialisation")
+                log.info(
+                    "train.freeze_lm_head: the target has no final norm by a known name; the head's "
+                    "norm keeps its own initialisation"
+                )
             elif self.config.hidden_size != self.config.target_hidden_size:
-                log.info("train.freeze_lm_head: the head is %d wide, the target %d; the head's norm keeps its "
-                         "own initialisation", self.config.hidden_size, self.config.target_hidden_size)
+                log.info(
+                    "train.freeze_lm_head: the head is %d wide, the target %d; the head's norm keeps its "
+                    "own initialisation",
+                    self.config.hidden_size,
+                    self.config.target_hidden_size,
+                )
             else:
                 with torch.no_grad():
                     self.norm.weight.copy_(effective_gain(final, self.config.hidden_size, self.norm.weight))
@@ -158,8 +172,9 @@ class Eagle3Head(DraftHead):
     ) -> torch.Tensor:
         embeds = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        out = self.midlayer(hidden, cos, sin, embeds=embeds, attention_mask=attention_mask,
-                            past_key_values=past_key_values)  # [B, T, H]
+        out = self.midlayer(
+            hidden, cos, sin, embeds=embeds, attention_mask=attention_mask, past_key_values=past_key_values
+        )  # [B, T, H]
         return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,9 @@ def keep_thresholds(slots: int, ratio: float, floor: float) -> torch.Tensor:
     return torch.clamp(ratio ** torch.arange(1, slots + 1, dtype=torch.float64), min=floor).float()
 
 
-def choose_slots(depth1: torch.Tensor, count: int, slots: int, ratio: float, floor: float,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_slots(
+    depth1: torch.Tensor, count: int, slots: int, ratio: float, floor: float, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchor [B, S], depth [B, S]) of each row's kept parallel slots, -1 / 0 padded.
 
     depth1 [B, T] bool: index a may anchor (its depth-1 label counts). Up to `count` anchors per row,
@@ -84,8 +85,9 @@ def parallel_attention_mask(valid: torch.Tensor, slot_anchor: torch.Tensor, slot
     return torch.cat([top, torch.cat([slot_real, slot_slot], dim=2)], dim=1)[:, None]
 
 
-def reference_parallel_mask(valid: list[list[bool]], slot_anchor: list[list[int]], slot_depth: list[list[int]]
-                            ) -> torch.Tensor:
+def reference_parallel_mask(
+    valid: list[list[bool]], slot_anchor: list[list[int]], slot_depth: list[list[int]]
+) -> torch.Tensor:
     """`parallel_attention_mask` with a loop over every query and key: the definition."""
     b, t, s = len(valid), len(valid[0]), len(slot_anchor[0])
     mask = torch.zeros(b, 1, t + s, t + s, dtype=torch.bool)
@@ -113,10 +115,10 @@ class PEagle(Eagle3):
     export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "not written yet: speculators 0.9.0 has a P-EAGLE speculator (speculators/models/peagle) whose "
-                       "checkpoint names have not been mapped to eagle's; export format=vllm",
+        "checkpoint names have not been mapped to eagle's; export format=vllm",
         "sglang": "not written yet: SGLang's parallel drafting has not been read against this layout",
         "llamacpp": "llama.cpp b11434 has no parallel drafting for EAGLE-3 (neither its converter nor "
-                    "src/models/eagle3.cpp reads mask_hidden); export format=vllm",
+        "src/models/eagle3.cpp reads mask_hidden); export format=vllm",
     }
     architectures: ClassVar[dict[str, str]] = {"vllm": "LlamaForCausalLMEagle3", "hf": "LlamaForCausalLMEagle3"}
     speculators_model_type: ClassVar[str | None] = None
@@ -127,10 +129,18 @@ class PEagle(Eagle3):
 
     # --- training ------------------------------------------------------------------------------
     def loss_settings(self, draft: DraftConfig, train: TrainConfig, pad_id: int, training: bool) -> LossSettings:
-        return LossSettings(steps=draft.parallel_tokens, decay=unroll_decay(train), feature_weight=0.0,
-                            token_weight=1.0, noise_std=0.0, pad_id=pad_id, loss=train.loss,
-                            anchors=train.anchors_per_sequence,
-                            cod_ratio=train.cod_ratio, cod_floor=train.cod_floor)
+        return LossSettings(
+            steps=draft.parallel_tokens,
+            decay=unroll_decay(train),
+            feature_weight=0.0,
+            token_weight=1.0,
+            noise_std=0.0,
+            pad_id=pad_id,
+            loss=train.loss,
+            anchors=train.anchors_per_sequence,
+            cod_ratio=train.cod_ratio,
+            cod_floor=train.cod_floor,
+        )
 
     def plan_batch(self, batch: dict[str, Any], settings: LossSettings) -> dict[str, Any]:
         """Draw this micro-batch's anchors and kept slots (before the token counts, which depend on them)."""
@@ -138,7 +148,8 @@ class PEagle(Eagle3):
             a = aligned_inputs(batch, settings.pad_id)
             depth1 = step_loss_mask(a["loss_mask"], a["valid"], 1)  # [B, T] slot 1 of an anchor here counts
             batch["slot_anchor"], batch["slot_depth"] = choose_slots(
-                depth1, settings.anchors, settings.steps - 1, settings.cod_ratio, settings.cod_floor)
+                depth1, settings.anchors, settings.steps - 1, settings.cod_ratio, settings.cod_floor
+            )
         return batch
 
     def _slot_labels(self, batch: dict[str, Any], loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +168,15 @@ class PEagle(Eagle3):
         first = float(step_loss_mask(a["loss_mask"], a["valid"], 0).sum())
         return [first] + [float((counts & (depth == j)).sum()) for j in range(1, settings.steps)]
 
-    def forward_loss(self, head: DraftHead, lm_head: nn.Module, batch: dict[str, Any], settings: LossSettings,
-                     norms: torch.Tensor | None, label_rows: torch.Tensor | None = None) -> LossParts:
+    def forward_loss(
+        self,
+        head: DraftHead,
+        lm_head: nn.Module,
+        batch: dict[str, Any],
+        settings: LossSettings,
+        norms: torch.Tensor | None,
+        label_rows: torch.Tensor | None = None,
+    ) -> LossParts:
         s = settings
         batch = self.plan_batch(batch, s)
         a = aligned_inputs(batch, s.pad_id)
@@ -182,7 +200,8 @@ class PEagle(Eagle3):
             step_rows.append(slot_row[at])  # [N_j]
         target_logits, t2d, d2t = self.soft_labels(head, lm_head, batch, labels, label_rows)
         objective, step_loss, step_correct, step_tokens, r = unrolled_soft_ce(
-            step_logits, target_logits, step_rows, t2d, d2t, s.decay, norms, s.loss)
+            step_logits, target_logits, step_rows, t2d, d2t, s.decay, norms, s.loss
+        )
         extra = {}
         if r.coverage is not None and label_rows is None:
             extra["coverage"] = r.coverage * step_tokens[0]

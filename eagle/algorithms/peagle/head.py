@@ -36,8 +36,9 @@ class PEagleHead(Eagle3Head):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)
         if config.block_size < 2 or config.mask_token_id is None:
-            raise ValueError(f"P-EAGLE needs block_size >= 2 and a mask token, got {config.block_size} and "
-                             f"{config.mask_token_id}")
+            raise ValueError(
+                f"P-EAGLE needs block_size >= 2 and a mask token, got {config.block_size} and {config.mask_token_id}"
+            )
         # Unit scale: fc's input is the raw aux layers (hidden_norm follows fc in `forward`, and a zero
         # start would sit where that norm's gradient is largest).
         k = len(config.aux_layer_ids)
@@ -53,8 +54,9 @@ class PEagleHead(Eagle3Head):
         feat = self.mask_hidden.view(1, 1, k, self.config.target_hidden_size)  # [1, 1, k, Ht]
         return self.project_features(feat)[0].expand(n, -1)  # [n, H]
 
-    def draft_block(self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
-                    ) -> torch.Tensor:
+    def draft_block(
+        self, cache: Any, root_token: int, root_hidden: torch.Tensor | None, root_position: int
+    ) -> torch.Tensor:
         if root_hidden is None:
             raise ValueError("P-EAGLE drafts from the root's output hidden (what commit returns)")
         return parallel_log_probs(self, cache, root_hidden, root_position)  # [K, V]

@@ -41,8 +41,16 @@ CPU_CONNECTOR_MODULE = "eagle_vllm_connector"
 CPU_CONNECTOR = "CpuHiddenStatesConnector"
 VLLM_CONNECTOR = "ExampleHiddenStatesConnector"
 # Options the worker sets itself: a clash would silently break extraction or the row count.
-RESERVED = ("model", "speculative_config", "kv_transfer_config", "enable_prefix_caching", "tensor_parallel_size",
-            "dtype", "revision", "trust_remote_code")
+RESERVED = (
+    "model",
+    "speculative_config",
+    "kv_transfer_config",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+    "dtype",
+    "revision",
+    "trust_remote_code",
+)
 
 
 def _vllm_version() -> str:
@@ -108,9 +116,15 @@ class Worker:
         t0 = time.perf_counter()
         self.llm = LLM(**args)
         model_config = self.llm.llm_engine.model_config
-        self.reply(event="ready", protocol=PROTOCOL, vllm=_vllm_version(), platform=str(current_platform.device_type),
-                   connector=CPU_CONNECTOR if connector == "cpu" else VLLM_CONNECTOR,
-                   dtype=str(model_config.dtype).replace("torch.", ""), startup_s=time.perf_counter() - t0)
+        self.reply(
+            event="ready",
+            protocol=PROTOCOL,
+            vllm=_vllm_version(),
+            platform=str(current_platform.device_type),
+            connector=CPU_CONNECTOR if connector == "cpu" else VLLM_CONNECTOR,
+            dtype=str(model_config.dtype).replace("torch.", ""),
+            startup_s=time.perf_counter() - t0,
+        )
 
     def capture(self, msg: dict[str, Any]) -> None:
         from vllm import SamplingParams  # order: as in start()
@@ -118,16 +132,21 @@ class Worker:
         sequences = [[int(t) for t in seq] for seq in msg["sequences"]]
         t0 = time.perf_counter()
         # One sampled token ends each request right after its prefill; its own state is never stored.
-        outputs = self.llm.generate([{"prompt_token_ids": seq} for seq in sequences],
-                                    SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": seq} for seq in sequences],
+            SamplingParams(max_tokens=1, temperature=0.0),
+            use_tqdm=False,
+        )
         files = []
         for seq, out in zip(sequences, outputs, strict=True):
             if list(out.prompt_token_ids) != seq:
                 raise RuntimeError(f"vLLM request {out.request_id} holds other prompt tokens than were sent")
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
             if not path:
-                raise RuntimeError(f"vLLM request {out.request_id} returned no hidden_states_path "
-                                   f"(kv_transfer_params={out.kv_transfer_params!r})")
+                raise RuntimeError(
+                    f"vLLM request {out.request_id} returned no hidden_states_path "
+                    f"(kv_transfer_params={out.kv_transfer_params!r})"
+                )
             self._wait_written(path)
             files.append(path)
         self.reply(event="states", files=files, seconds=time.perf_counter() - t0)
@@ -145,15 +164,18 @@ class Worker:
                         break
                     except BlockingIOError:
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"vLLM did not finish writing {path} within {self.timeout_s:.0f}s") from None
+                            raise TimeoutError(
+                                f"vLLM did not finish writing {path} within {self.timeout_s:.0f}s"
+                            ) from None
                         time.sleep(0.02)
             finally:
                 os.close(fd)
             os.unlink(lock)
         if not os.path.isfile(path):
             # The lock is also released when the process holding it dies: the engine failed.
-            raise RuntimeError(f"vLLM returned {path} but wrote no file there (the engine stopped; its log has "
-                               "the cause)")
+            raise RuntimeError(
+                f"vLLM returned {path} but wrote no file there (the engine stopped; its log has the cause)"
+            )
 
     def stop(self) -> None:
         if self.llm is not None:
