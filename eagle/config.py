@@ -94,9 +94,9 @@ class RegenerateConfig:
     # data.max_length anyway, and the continuous engine's KV buffer holds
     # batch_size x (max_prompt_tokens + max_new_tokens) positions.
     max_prompt_tokens: int = 1536
-    # Where the target runs (eagle/data/regenerate.py's backends): local = the engine above over an HF
+    # Where the target runs (eagle/regenerate/'s backends): local = the engine above over an HF
     # model in this process; server = OpenAI-compatible servers (vLLM, SGLang, llama.cpp's llama-server,
-    # `transformers serve`) answering raw completions of our own rendered prompts (eagle/data/server.py).
+    # `transformers serve`) answering raw completions of our own rendered prompts (eagle/regenerate/server.py).
     backend: str = "local"
     # backend=server: base URLs, e.g. [http://127.0.0.1:8000,http://10.0.0.2:8000]. The list may change
     # on resume (it does not change answers); a server that stops answering hands its work to the others.
@@ -110,7 +110,7 @@ class RegenerateConfig:
     request_timeout: float = 600.0
     # backend=server: auto (from /v1/models' owned_by) | vllm | sglang | llama.cpp | transformers | openai
     # (plain OpenAI fields only: text prompt, stop strings, no token ids back); decides how token ids,
-    # stop tokens and top_k are asked for (eagle/data/server_engines.py).
+    # stop tokens and top_k are asked for (eagle/regenerate/engines.py).
     server_engine: str = "auto"
 
 

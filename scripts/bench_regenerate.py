@@ -27,7 +27,7 @@ import torch
 
 from eagle.cli.app import compose
 from eagle.data.dataset import load_conversations
-from eagle.data.regenerate import regenerate
+from eagle.regenerate.runner import regenerate
 from eagle.target.loading import load_target
 
 

@@ -72,8 +72,8 @@ from eagle.cli.app import compose
 from eagle.config import RootConfig
 from eagle.data.dataset import load_conversations
 from eagle.data.records import Conversation
-from eagle.data.regenerate import regenerate
-from eagle.data.server import ServerBackend
+from eagle.regenerate.runner import regenerate
+from eagle.regenerate.server import ServerBackend
 from eagle.target.loading import load_target, load_tokenizer
 from eagle.target.resolve import resolve_target_path
 

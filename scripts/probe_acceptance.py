@@ -44,10 +44,10 @@ from eagle.capture.reader import CaptureDataset, collate
 from eagle.cli.app import compose
 from eagle.data.dataset import load_conversations
 from eagle.data.eval_prompts import load_eval_prompts
-from eagle.data.regenerate import first_turn_prompt
 from eagle.data.template import end_of_turn_ids
 from eagle.evaluate.baselines import encode_chat
 from eagle.export.loader import load_draft
+from eagle.regenerate.job import first_turn_prompt
 from eagle.target.loading import load_target
 from eagle.train.metrics import MetricSums
 

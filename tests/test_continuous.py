@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from eagle.config import RegenerateConfig
-from eagle.data.regenerate import ConversationJob, regenerate_batch
 from eagle.data.template import end_of_turn_ids
 from eagle.decode.continuous import (
     ContinuousGenerator,
@@ -19,6 +18,8 @@ from eagle.decode.continuous import (
     slot_attention_enabled,
 )
 from eagle.errors import TargetError
+from eagle.regenerate.job import ConversationJob
+from eagle.regenerate.local import regenerate_batch
 from tests.support.data import CONVS
 from tests.tiny_models import FAMILIES, make_model
 

@@ -43,7 +43,8 @@ LAYERS: list[set[str]] = [
     {"heads"},  # what every draft head is built from: the DraftHead interface, layers, vocab maps
     {"decode"},  # tree speculative decoding, continuous batching (drives heads through DraftHead)
     {"algorithms"},  # one package per algorithm (head, loss, drafting step, export names); the registry
-    {"data"},  # conversations, templates, self-distillation (generates with `decode`)
+    {"data"},  # conversations, templates, masks, splits, eval prompts
+    {"regenerate"},  # self-distillation (generates with `decode`), local and server backends
     {"capture"},  # target features on disk
     {"train"},
     {"export"},  # export formats, head loading by draft.path

@@ -11,9 +11,9 @@ import pytest
 
 from eagle.config import RegenerateConfig
 from eagle.data.records import normalise_record
-from eagle.data.regenerate import ConversationJob, check_reasoning_setting, split_reasoning
 from eagle.data.template import render, tokenize_conversation
 from eagle.errors import DataError
+from eagle.regenerate.job import ConversationJob, check_reasoning_setting, split_reasoning
 from tests.tiny_models import make_tokenizer
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()

@@ -8,9 +8,11 @@ import pytest
 
 from eagle.config import DataConfig, RegenerateConfig
 from eagle.data.dataset import load_conversations
-from eagle.data.regenerate import recover_output, regenerate, regenerate_batch
 from eagle.data.template import end_of_turn_ids
 from eagle.errors import DataError
+from eagle.regenerate.local import regenerate_batch
+from eagle.regenerate.output import recover_output
+from eagle.regenerate.runner import regenerate
 from tests.support.data import CONVS
 
 CFG = RegenerateConfig(batch_size=2, max_new_tokens=6)
@@ -19,7 +21,7 @@ ENGINES = ("continuous", "generate")
 
 def test_turn_by_turn_replies_feed_the_regenerated_history(tiny_qwen2, monkeypatch):
     model, tok = tiny_qwen2
-    from eagle.data import regenerate as mod
+    from eagle.regenerate import local as mod
 
     seen = []
     real = mod.generate_replies
@@ -147,7 +149,7 @@ def test_sampling_is_seeded(tiny_qwen2, tmp_path, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny_qwen2, tmp_path, monkeypatch, engine):
     model, tok = tiny_qwen2
-    from eagle.data import regenerate as mod
+    from eagle.regenerate import local as mod
     from eagle.decode.continuous import ContinuousGenerator
 
     stop = end_of_turn_ids(tok)[0]

@@ -14,9 +14,9 @@ import pytest
 
 from eagle.config import RegenerateConfig, TargetConfig
 from eagle.data.records import Conversation
-from eagle.data.regenerate import regenerate
-from eagle.data.server import ServerBackend
 from eagle.errors import DataError, ServerError
+from eagle.regenerate.runner import regenerate
+from eagle.regenerate.server import ServerBackend
 from eagle.target.loading import load_target, load_tokenizer
 from tests.support.data import CONVS
 from tests.support.servers import ServedModel, free_port, serve_available

@@ -248,7 +248,7 @@ def test_capture_refusal_names_every_differing_key(tmp_path):
 # --------------------------------------------------------------------------------------- regeneration
 def test_regeneration_resume_names_keys_and_checks_the_data(tiny_qwen2, tmp_path, capsys):
     from eagle.config import DataConfig, RegenerateConfig
-    from eagle.data.regenerate import regenerate
+    from eagle.regenerate.runner import regenerate
 
     model, tok = tiny_qwen2
     cfg = RegenerateConfig(batch_size=2, max_new_tokens=4)

@@ -12,11 +12,12 @@ import pytest
 from eagle.config import ConfigError, DataConfig, RegenerateConfig, RootConfig, validate
 from eagle.data.dataset import load_conversations
 from eagle.data.records import Conversation
-from eagle.data.regenerate import recover_output, regenerate
-from eagle.data.server import ServerBackend, base_url, text_prompt
-from eagle.data.server_engines import detect_engine
 from eagle.data.template import end_of_turn_ids, render
 from eagle.errors import DataError, ServerError
+from eagle.regenerate.engines import detect_engine
+from eagle.regenerate.output import recover_output
+from eagle.regenerate.runner import regenerate
+from eagle.regenerate.server import ServerBackend, base_url, text_prompt
 from tests.support.data import CONVS
 from tests.support.servers import FakeServer, free_port
 from tests.tiny_models import make_tokenizer
@@ -187,7 +188,7 @@ def test_an_answer_that_arrives_with_the_last_servers_failure_is_written(tok, se
         done, _ = concurrent.futures.wait(futures)  # both answers in hand
         return sorted(done, key=lambda f: f.exception() is None), set()
 
-    monkeypatch.setattr("eagle.data.server.wait", wait_failures_first)
+    monkeypatch.setattr("eagle.regenerate.server.wait", wait_failures_first)
     a = serve()
     a.fault, a.fail_after = 503, 1
     out = tmp_path / "r.jsonl"

@@ -1,4 +1,4 @@
-"""Conversation data: readers, chat-template masks, splits, evaluation prompts, self-distillation."""
+"""Conversation data: readers, chat-template masks, splits, evaluation prompts (self-distillation: `eagle.regenerate`)."""
 
 from eagle.data.dataset import DataSplits, DataStats, build_splits, data_fingerprint, load_conversations
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts

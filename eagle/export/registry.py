@@ -1,7 +1,7 @@
 """Every export format as one registered object: what its folder holds besides the head's tensors, its
 config.json, the files it adds, how it is checked, the model card's library and usage lines, and what
 `--check` prints about it. `FORMATS` is the one list of format names: stages look a format up here and
-ask it, rather than comparing names (the way `eagle.data.server_engines.ENGINES` does for regeneration
+ask it, rather than comparing names (the way `eagle.regenerate.engines.ENGINES` does for regeneration
 engines). How each algorithm's tensors are named and configured per format is the algorithm's part
 (`Algorithm.export_tensor_name`, `config_fields`, `export_refusals`; eagle/algorithms/).
 

@@ -16,8 +16,8 @@ import pytest
 
 from eagle.config import DataConfig, RegenerateConfig, TargetConfig
 from eagle.data.dataset import load_conversations
-from eagle.data.regenerate import regenerate
-from eagle.data.server import ServerBackend
+from eagle.regenerate.runner import regenerate
+from eagle.regenerate.server import ServerBackend
 from eagle.target.loading import load_target
 from tests.support.cli import cli_env
 from tests.support.data import write_word_salad

@@ -3,7 +3,7 @@ llama-server, `transformers serve`), this process renders prompts and writes rec
 
 Each conversation is a `ConversationJob` as in the local engine (turn by turn: answer k is generated
 from the regenerated answers before it); each turn is one raw-completion request of the prompt
-rendered here (`eagle.data.server_engines` says how each engine is asked and where its token ids are).
+rendered here (`eagle.regenerate.engines` says how each engine is asked and where its token ids are).
 The main thread renders, schedules and writes; per server, a pool of `regenerate.requests_per_server`
 threads only carries requests (standard library HTTP, no client dependency).
 
@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 
 from eagle.config import RegenerateConfig
 from eagle.data.records import Conversation
-from eagle.data.regenerate import ConversationJob
-from eagle.data.server_engines import ENGINES, Answer, Completion, Engine, EngineError, detect_engine
 from eagle.errors import ServerError, TargetError
+from eagle.regenerate.engines import ENGINES, Answer, Completion, Engine, EngineError, detect_engine
+from eagle.regenerate.job import ConversationJob
 
 # Statuses that say the server, not the request, is the problem (a proxy or load balancer in front of
 # a dead server, an engine still loading or whose worker died): the server is dropped, not the run.
@@ -142,7 +142,7 @@ class _Server:
 
 
 class ServerBackend:
-    """`regenerate.backend=server` (see the module docstring); passed to `eagle.data.regenerate.regenerate`."""
+    """`regenerate.backend=server` (see the module docstring); passed to `eagle.regenerate.runner.regenerate`."""
 
     def __init__(self, cfg: RegenerateConfig) -> None:
         self.urls = list(dict.fromkeys(base_url(u) for u in cfg.servers))
