@@ -59,6 +59,9 @@ class DataConfig:
     max_conversations: int | None = None  # first N usable conversations
     max_length: int = 2048  # tokens per rendered conversation
     overflow: str = "truncate"  # truncate | drop: what to do beyond max_length (always counted)
+    # Join consecutive conversations (of one split) into sequences of up to max_length tokens, each attending
+    # to the ones before it: training on long contexts (max_length up to the target's window) from short data.
+    pack: bool = False
     system_prompt: str | None = None  # added to conversations that have none
     # Whether an assistant turn's thinking (`reasoning_content`, as the chat template renders it) is trained:
     # a reasoning target spends most of its tokens thinking, so a head that drafts them is the one that pays.

@@ -89,6 +89,13 @@ VARIANTS: dict[str, list[str]] = {
         "draft.draft_vocab_size=8192",
     ],
     "recipe-lk": ["train.loss=lk_hybrid"],
+    "peagle-k4-lk": [
+        "draft=peagle",
+        "draft.parallel_tokens=4",
+        "draft.aux_layer_ids=[2,15,27]",
+        "draft.draft_vocab_size=8192",
+        "train.loss=lk_hybrid",
+    ],
     "dflash-b8-lk": ["draft=dflash", "draft.block_size=8", "draft.aux_layer_ids=[2,15,27]", "train.loss=lk_hybrid"],
 }
 

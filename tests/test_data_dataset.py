@@ -136,3 +136,23 @@ def test_nothing_usable_is_an_error_with_the_stats(tmp_path):
     path = write(tmp_path, [{"id": "b", "conversations": [{"from": "gpt", "value": "x"}]}])
     with pytest.raises(DataError, match="starts_with_assistant=1"):
         build_splits(DataConfig(source="local", path=str(path), dedup_against=[]), make_tokenizer("qwen2"))
+
+
+def test_packing_joins_each_splits_conversations_up_to_max_length(tmp_path):
+    """data.pack: consecutive conversations of one split joined, never over max_length, none lost or reordered,
+    each conversation's loss mask its own; the held-out split packs only held-out conversations."""
+    path = write(tmp_path, [conv(i, answer="word " * (3 + i % 7)) for i in range(40)])
+    tok = make_tokenizer("qwen2")
+    cfg = DataConfig(source="local", path=str(path), heldout_fraction=0.25, dedup_against=[], max_length=96)
+    plain = build_splits(cfg, tok, progress=False)
+    packed = build_splits(dataclasses.replace(cfg, pack=True), tok, progress=False)
+    for name in ("train", "heldout"):
+        convs, packs = getattr(plain, name), getattr(packed, name)
+        assert len(packs) < len(convs)
+        assert all(len(p.input_ids) <= 96 and len(p.input_ids) == len(p.loss_mask) for p in packs)
+        assert [t for p in packs for t in p.input_ids] == [t for c in convs for t in c.input_ids]
+        assert [m for p in packs for m in p.loss_mask] == [m for c in convs for m in c.loss_mask]
+        firsts = {p.id.split(":", 1)[1].rsplit("+", 1)[0] for p in packs}
+        assert firsts <= {c.id for c in convs}  # a pack is named by its own split's conversation
+    assert data_fingerprint(cfg, plain) != data_fingerprint(dataclasses.replace(cfg, pack=True), packed)
+    assert any("packed into" in n for n in packed.stats.notes)

@@ -189,9 +189,42 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
         heldout = [min(tokenized, key=lambda tc: _unit_hash(cfg.split_seed, tc.id))]
     held_ids = {tc.id for tc in heldout}
     train = [tc for tc in tokenized if tc.id not in held_ids]
+    if cfg.pack:  # after the split: a pack never mixes training and held-out conversations
+        train, heldout = pack_conversations(train, cfg.max_length), pack_conversations(heldout, cfg.max_length)
+        stats.notes.append(
+            f"data.pack: {len(tokenized)} conversations packed into {len(train) + len(heldout)} "
+            f"sequences of up to {cfg.max_length} tokens"
+        )
     stats.train, stats.heldout = len(train), len(heldout)
     print(stats.summary(), file=sys.stderr)
     return DataSplits(train=train, heldout=heldout, stats=stats)
+
+
+def pack_conversations(convs: list[TokenizedConversation], max_length: int) -> list[TokenizedConversation]:
+    """Consecutive conversations joined into sequences of at most `max_length` tokens (greedy, in order):
+    `data.pack`, for training on long contexts. A conversation attends to the ones before it in its pack
+    (causal, positions continuing), as in pretraining's packing; loss masks are each conversation's own.
+    A pack's id is its first conversation's id and how many follow (`pack:ID+N`)."""
+    packs: list[TokenizedConversation] = []
+    group: list[TokenizedConversation] = []
+
+    def close() -> None:
+        if group:
+            ids = [t for c in group for t in c.input_ids]
+            mask = [m for c in group for m in c.loss_mask]
+            packs.append(
+                TokenizedConversation(
+                    f"pack:{group[0].id}+{len(group) - 1}", ids, mask, any(c.truncated for c in group)
+                )
+            )
+            group.clear()
+
+    for conv in convs:
+        if group and sum(len(c.input_ids) for c in group) + len(conv.input_ids) > max_length:
+            close()
+        group.append(conv)
+    close()
+    return packs
 
 
 FINGERPRINT_FIELDS = (
