@@ -149,8 +149,8 @@ def test_sampling_is_seeded(tiny_qwen2, tmp_path, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_empty_reply_ends_the_conversation_and_is_counted_on_read(tiny_qwen2, tmp_path, monkeypatch, engine):
     model, tok = tiny_qwen2
-    from eagle.regenerate import local as mod
     from eagle.decode.continuous import ContinuousGenerator
+    from eagle.regenerate import local as mod
 
     stop = end_of_turn_ids(tok)[0]
     monkeypatch.setattr(mod, "generate_replies", lambda m, t, prompts, c, s: [[] for _ in prompts])
