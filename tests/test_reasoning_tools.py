@@ -128,3 +128,28 @@ def test_tool_calls_and_results_are_replayed_never_run(qwen3_tok):
     assert record["messages"][3]["content"] == "It is sunny."
     assert "<tool_response>\nsunny, 18 degrees\n</tool_response>" in prompts[0]  # the answer saw the result
     assert render(qwen3_tok, record["messages"], add_generation_prompt=False).count("<tool_call>") == 1
+
+
+def test_harmony_channels_split_into_thinking_and_answer():
+    """gpt-oss answers on channels (special tokens): analysis is the thinking, final the answer."""
+    from eagle.regenerate.job import split_harmony
+
+    text = "<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    assert split_harmony(text) == ("Think first.", "Paris.")
+    assert split_harmony("<|channel|>final<|message|>Paris.<|return|>") == (None, "Paris.")
+    assert split_harmony("Paris.") is None
+
+
+def test_gpt_oss_answers_keep_their_analysis_channel_as_thinking_and_render_it():
+    tok = make_tokenizer("gpt_oss")
+    generated = "<|channel|>analysis<|message|>Blue is common.<|end|><|start|>assistant<|channel|>final<|message|>Blue."
+    ids = tok(generated, add_special_tokens=False)["input_ids"]
+    job = ConversationJob(normalise_record(TWO_TURNS, index=0, source="t"), tok, RegenerateConfig(reasoning="keep"))
+    while job.next_prompt() is not None:
+        job.finish_answer(ids)
+    answers = [m for m in job.record["messages"] if m["role"] == "assistant"]
+    assert [(m["content"], m["reasoning_content"]) for m in answers] == [("Blue.", "Blue is common.")] * 2
+    assert all("token_ids" not in m for m in answers)
+    full, trained = _trained_text(tok, job.record)
+    assert full.count("<|channel|>analysis<|message|>Blue is common.<|end|>") == 1  # the last turn's only
+    assert "Blue is common." in trained and trained.count("Blue.") >= 2

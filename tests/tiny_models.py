@@ -63,12 +63,17 @@ GEMMA = (
     "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
-# Harmony's shape (gpt-oss): every message on a channel; the final answer ends with <|return|>, earlier ones
-# with <|end|>.
+# Harmony's shape as gpt-oss's own template renders it: every assistant message on the final channel, the last
+# one's `thinking` (if any) on the analysis channel before it, earlier turns' thinking dropped; the last answer
+# ends with <|return|>, earlier ones with <|end|>.
 HARMONY = (
-    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
-    "<|message|>{{ m['content'] }}{% if m['role'] == 'assistant' and loop.last %}<|return|>{% else %}<|end|>"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% if loop.last and not add_generation_prompt and m.get('thinking') %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}"
+    "{% if loop.last and not add_generation_prompt %}<|return|>{% else %}<|end|>{% endif %}"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 DEEPSEEK = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}"

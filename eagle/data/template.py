@@ -85,7 +85,14 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
     """The chat template's text for `messages` (no tokenisation); `template_kwargs` go to the template
     (e.g. enable_thinking=False)."""
     require_chat_template(tokenizer)
-    messages = [{k: m[k] for k in RENDERED_KEYS if k in m} for m in messages]
+    # gpt-oss's template reads a turn's thinking as `thinking`, Qwen3's and most others' as `reasoning_content`.
+    messages = [
+        {
+            **{k: m[k] for k in RENDERED_KEYS if k in m},
+            **({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {}),
+        }
+        for m in messages
+    ]
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs

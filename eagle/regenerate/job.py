@@ -15,6 +15,11 @@ from eagle.decode.continuous import Job
 from eagle.errors import DataError
 
 THINK_END = "</think>"  # where a reasoning model's thinking ends (Qwen3, DeepSeek-R1, ...)
+# gpt-oss's Harmony format: thinking on the analysis channel, the answer on the final one (special tokens,
+# so read from the text decoded with them).
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
+HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_END = ("<|end|>", "<|return|>", "<|call|>")
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -24,6 +29,22 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         return None, text
     thinking, answer = text.split(THINK_END, 1)
     return thinking.replace("<think>", "", 1).strip(), answer.strip()
+
+
+def split_harmony(text: str) -> tuple[str | None, str] | None:
+    """(thinking, answer) of a Harmony generation (text decoded with its special tokens): the analysis
+    channel's messages and the final channel's; None when `text` has no final channel (not Harmony)."""
+    if HARMONY_FINAL not in text:
+        return None
+
+    def message(part: str) -> str:
+        for end in HARMONY_END:
+            part = part.split(end, 1)[0]
+        return part.strip()
+
+    head, final = text.rsplit(HARMONY_FINAL, 1)
+    analysis = [message(p) for p in head.split(HARMONY_ANALYSIS)[1:]]
+    return ("\n\n".join(a for a in analysis if a) or None), message(final)
 
 
 def check_reasoning_setting(tokenizer: Any, cfg: RegenerateConfig) -> None:
@@ -90,19 +111,29 @@ class ConversationJob(Job):
 
     def finish_answer(self, tokens: list[int], keep_ids: bool = True) -> None:
         """The answer as generated token ids (stop token excluded); `keep_ids` stores them in the record
-        beside the text, so that training reads the ids the target generated (`eagle.data.template`)."""
+        beside the text, so that training reads the ids the target generated (`eagle.data.template`).
+        A Harmony answer (gpt-oss) is split by its channels, which are special tokens."""
+        harmony = split_harmony(self.tokenizer.decode(tokens, skip_special_tokens=False))
+        if harmony is not None:
+            self._answer(harmony[0], harmony[1], None)  # its ids hold the channel markers too
+            return
         self.finish_text(self.tokenizer.decode(tokens, skip_special_tokens=True), list(tokens) if keep_ids else None)
 
     def finish_text(self, text: str, token_ids: list[int] | None = None) -> None:
         """The answer as text (the ids' decoding, special tokens skipped), with its ids where known."""
+        thinking, reply = split_harmony(text) or split_reasoning(text.strip())
+        self._answer(thinking, reply, token_ids if thinking is None else None)
+
+    def _answer(self, thinking: str | None, reply: str, token_ids: list[int] | None) -> None:
+        """Replace the pending answer by the target's: its reply, its thinking as regenerate.reasoning says, its
+        ids where they stand for the reply alone."""
         self.pending.pop(0)  # the original answer is replaced
-        thinking, reply = split_reasoning(text.strip())
         message: dict[str, Any] = {"role": "assistant", "content": reply}
         if thinking is not None and self.cfg.reasoning == "keep":
             message["reasoning_content"] = thinking
         if reply:
             self.history.append(message)
-            if token_ids is not None and thinking is None:
+            if token_ids is not None:
                 self.token_ids[len(self.history) - 1] = token_ids
             self.answered += 1
         else:
