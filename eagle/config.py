@@ -622,7 +622,7 @@ def _reject_unknown_keys(node: Any, schema: type, prefix: str) -> None:
         sub_type = allowed[key].type
         sub_schema = globals().get(sub_type) if isinstance(sub_type, str) else sub_type
         value = node[key] if OmegaConf.is_dict(node) else None
-        if is_dataclass(sub_schema) and isinstance(value, DictConfig):
+        if isinstance(sub_schema, type) and is_dataclass(sub_schema) and isinstance(value, DictConfig):
             _reject_unknown_keys(value, sub_schema, name + ".")
 
 

@@ -48,7 +48,7 @@ def temp_path(path: Path) -> Path:
     return Path(name)
 
 
-def atomic_write_with(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write_with(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` fills a temporary file beside `path`, which then replaces `path` in one rename
     (for writers that want a file name, e.g. safetensors' `save_file`)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,7 @@ def _env_keys() -> list[str]:
 
 def _job_dir_resolver() -> str:
     """`${eagle_job_dir:}`: this job's folder name (resolved by Hydra in the job, see `job_dir_name`)."""
-    hc = HydraConfig.get()
+    hc: Any = HydraConfig.get()  # a structured config node, as OmegaConf.select takes it
     num = OmegaConf.select(hc, "job.num", default=0, throw_on_missing=False)
     overrides = list(OmegaConf.select(hc, "overrides.task", default=[]) or [])
     return job_dir_name(0 if num is None else num, overrides, _env_keys())
@@ -339,7 +339,7 @@ def summary_markdown(summary: dict[str, Any], sweep_dir: str | Path) -> str:
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     best = summary["best"]
     if best is not None:
-        best_row = next((r for r in rows if r["num"] == best["num"]), {})
+        best_row: dict[str, Any] = next((r for r in rows if r["num"] == best["num"]), {})
         lines += [
             "",
             f"Best {summary['objective']}: job {best['num']} (`{best['dir']}`), {best[summary['objective']]:.3f}"
@@ -479,8 +479,8 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False) or []
         params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
-        params = OmegaConf.to_container(params, resolve=False) if params is not None else None
-        os.environ[ENV_KEYS] = json.dumps(swept_keys([str(t) for t in task], params))
+        swept = OmegaConf.to_container(params, resolve=False) if params is not None else None
+        os.environ[ENV_KEYS] = json.dumps(swept_keys([str(t) for t in task], swept if isinstance(swept, dict) else None))
         os.environ[ENV_ID] = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -43,9 +44,9 @@ class LossParts:
     `packed_positions`, is a boolean index: on a GPU one host sync per unroll step.)"""
 
     objective: torch.Tensor  # scalar, already divided by the global token counts `norms`
-    step_loss: list[Number]  # per step: sum of token losses
-    step_correct: list[Number]
-    step_tokens: list[Number]
+    step_loss: Sequence[Number]  # per step: sum of token losses
+    step_correct: Sequence[Number]
+    step_tokens: Sequence[Number]
     extra: dict[str, Number]  # per-token extras x step-0 tokens (Algorithm.extra_metrics)
     finite: torch.Tensor  # bool scalar
 

@@ -59,7 +59,7 @@ def extract_features(
         )
         final = out.last_hidden_state  # [B, T, H], post final norm
         features = {"final_hidden": final}
-        if want_aux:
+        if aux_layer_ids:
             states = out.hidden_states  # tuple of L + 1 tensors [B, T, H]
             if states is None:
                 raise CaptureError(

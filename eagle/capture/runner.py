@@ -523,7 +523,7 @@ def _capture_own_shards(
             if pending is not None:
                 pending.result()  # bound memory to one shard in flight; re-raise write errors
             pending = writer.submit(write, job, feats)
-        if world > 1 and source.model is not None and is_sharded(source.model):
+        if world > 1 and source.model is not None and source.device is not None and is_sharded(source.model):
             # Each forward of a sharded target all-gathers from every rank: a rank with fewer forwards than
             # the busiest one (fewer shards, or shorter ones) runs idle ones until it has run as many.
             counts = forwards_per_rank(todo, world, run.capture.batch_tokens)

@@ -20,6 +20,13 @@ from eagle.config import DataConfig
 from eagle.errors import DataError
 
 _SEPARATOR = re.compile(r"[\s,]*")  # between array elements: whitespace and the comma
+
+
+def _after_separator(buf: str, pos: int) -> int:
+    """The position after the whitespace and commas at `pos` (the pattern matches the empty string too)."""
+    match = _SEPARATOR.match(buf, pos)
+    assert match is not None
+    return match.end()
 _CHUNK = 1 << 22  # 4 MiB of text per read: a few hundred ShareGPT records
 
 
@@ -45,7 +52,7 @@ def iter_json_array(path: Path, report: ReadReport, allow_truncated_tail: bool =
         eof = len(buf) < _CHUNK
         lines_before = 0  # newlines in text already dropped from `buf` (for error line numbers)
         chars_before = 0
-        pos = _SEPARATOR.match(buf).end()
+        pos = _after_separator(buf, 0)
         if pos >= len(buf) or buf[pos] != "[":
             raise DataError(
                 f"{path}: expected a JSON array of conversations (or {{'data': [...]}}) "
@@ -54,7 +61,7 @@ def iter_json_array(path: Path, report: ReadReport, allow_truncated_tail: bool =
         pos += 1
         index = 0
         while True:
-            pos = _SEPARATOR.match(buf, pos).end()
+            pos = _after_separator(buf, pos)
             if pos >= len(buf) and not eof:
                 lines_before += buf.count("\n", 0, pos)
                 chars_before += pos

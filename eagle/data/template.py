@@ -285,7 +285,7 @@ def tokenize_with_mask(
         return ids, _mask_from_offsets([tuple(o) for o in enc["offset_mapping"]], spans)
     # No offsets: tokenise the pieces between span boundaries separately. A token can then never
     # straddle a boundary, which is also how the prompt and the answer are split at inference.
-    ids: list[int] = []
+    ids = []
     mask: list[int] = []
     pos = 0
     for start, end in spans:

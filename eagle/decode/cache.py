@@ -84,7 +84,8 @@ class RecurrentSnapshot:
         for layer, conv, rec in self.states:
             for held, saved in ((layer.conv_states, conv), (layer.recurrent_states, rec)):
                 for i, t in saved.items():
-                    if t is None or held[i] is None or held[i].shape != t.shape:
+                    current = held[i]
+                    if t is None or current is None or current.shape != t.shape:
                         held[i] = t
                     else:
-                        held[i].copy_(t)
+                        current.copy_(t)

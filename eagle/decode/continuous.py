@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -110,7 +110,7 @@ def slot_attention(
         raise TargetError(f"the '{ATTENTION_NAME}' attention only runs inside eagle's continuous batching")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise TargetError("attention sinks are not supported by continuous batching; use regenerate.engine=generate")
-    keys, values = batch.kv.write_and_read(module.layer_idx, key, value, batch)  # [R, H_kv, K, D]
+    keys, values = batch.kv.write_and_read(cast(int, module.layer_idx), key, value, batch)  # [R, H_kv, K, D]
     r, h, q_len, d = query.shape
     h_kv = keys.shape[1]
     group = h // h_kv

@@ -108,9 +108,8 @@ def build_attention_mask(
             dtype = model.dtype
             m = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
         masks[layer_type] = m
-    if len(masks) == 1:
-        return next(iter(masks.values()))
-    return masks
+    only = next(iter(masks.values())) if len(masks) == 1 else None
+    return only if only is not None else masks
 
 
 @dataclass

@@ -163,7 +163,7 @@ def compile_static_tree(paths: list[list[int]]) -> StaticTree:
         if len(t) > 1 and t[:-1] not in seen:
             raise TreeError(f"decode.static_paths has {list(t)} but not its parent {list(t[:-1])}; add it")
     order = sorted(seen, key=lambda t: (len(t), t))
-    index = {(): 0}
+    index: dict[tuple[int, ...], int] = {(): 0}
     parents, ranks, depths = [-1], [-1], [0]
     for t in order:
         index[t] = len(parents)

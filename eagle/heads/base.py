@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -80,6 +80,16 @@ class HeadConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+class CausalLM(Protocol):
+    """What heads and stages read off a target model (any transformers causal LM)."""
+
+    config: Any
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module: ...
+
+
 class DraftHead(nn.Module, ABC):
     """One draft-head implementation per algorithm; sizes come from `HeadConfig`.
 
@@ -105,7 +115,7 @@ class DraftHead(nn.Module, ABC):
 
     # --- target-owned pieces -------------------------------------------------------------------
     @abstractmethod
-    def attach_target(self, target: nn.Module) -> None:
+    def attach_target(self, target: CausalLM) -> None:
         """Borrow the frozen token embeddings (and LM head where used) from the target model."""
 
     @abstractmethod
@@ -138,7 +148,7 @@ class DraftHead(nn.Module, ABC):
         """[B, T, H] output hidden -> [B, T, draft_vocab_size] logits."""
 
     def init_from_target(
-        self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
+        self, target_model: CausalLM | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
     ) -> None:
         """Initialisation that depends on the target or the data (`build_head`); none by default."""
 
@@ -148,7 +158,7 @@ class DraftHead(nn.Module, ABC):
         names left out."""
         raise NotImplementedError(f"{type(self).__name__} has no decoder layer to start from a target layer")
 
-    def freeze_lm_head(self, target_model: nn.Module | None) -> None:
+    def freeze_lm_head(self, target_model: CausalLM | None) -> None:
         """Keep the head's LM head fixed (`train.freeze_lm_head`); with `target_model`, the norm in
         front of it first starts from the target's final norm."""
         raise ConfigError(f"{type(self).__name__} has no LM head of its own to freeze")
@@ -204,7 +214,7 @@ class BorrowsTargetOutput:
             raise RuntimeError("attach_target(target_model) must be called before using the head")
         return self._borrowed[name]
 
-    def attach_target(self, target: nn.Module) -> None:
+    def attach_target(self, target: CausalLM) -> None:
         self._borrowed["embed_tokens"] = target.get_input_embeddings()
         self._borrowed["lm_head"] = target.get_output_embeddings()
 

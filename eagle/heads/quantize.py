@@ -37,7 +37,7 @@ weight-only; ad-hoc profiles, not a script in this repository); not kept.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -73,6 +73,10 @@ K_BLOCK = 16
 
 class Int8Linear(nn.Module):
     """A linear layer whose weight is int8 with one scale per output row; activations in `dtype`."""
+
+    qweight: torch.Tensor  # buffers (registered in __init__)
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
@@ -117,6 +121,10 @@ def _pack_dynamic(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
 class DynamicInt8Linear(nn.Module):
     """A linear layer with int8 weights (one scale per output row) and activations quantised per call
     to 7-bit integers: fbgemm's dynamic int8 product, output in the input's dtype (see the module doc)."""
+
+    qweight: torch.Tensor  # buffers (registered in __init__)
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -167,7 +175,7 @@ def quantize_head_int8(head: DraftHead, dtype: torch.dtype = torch.bfloat16, wei
             if isinstance(child, nn.Linear) and full_name not in KEEP_FULL:
                 layer = Int8Linear.from_linear(child, dtype) if weight_only else DynamicInt8Linear.from_linear(child)
                 setattr(parent, name, layer)
-    return quantized.eval()
+    return cast(DraftHead, quantized.eval())
 
 
 def int8_kind(module: nn.Module) -> str | None:

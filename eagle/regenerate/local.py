@@ -63,7 +63,7 @@ def regenerate_batch(
         for (job, _), answer in zip(asking, answers, strict=True):
             job.finish_answer(answer)
         asking = [(j, p) for j, _ in asking if (p := j.next_prompt()) is not None]
-    return [j.record for j in jobs]
+    return [j.record for j in jobs if j.record is not None]  # every job has finished: each holds its record
 
 
 def _continuous(

@@ -69,7 +69,7 @@ class SmallBatchLinear(nn.Linear):
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules() if type(m) in (nn.Linear, SmallBatchLinear)]
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m) in (nn.Linear, SmallBatchLinear)]
 
 
 def median_ms(fn: Callable[[], object], reps: int = 5) -> float:

@@ -104,7 +104,8 @@ class MetricSums:
         return [float(v) for v in values], keys
 
     def _from_flat(self, values: list[float], keys: list[str]) -> MetricSums:
-        tokens, computed, *v = values
+        tokens, computed, *rest = values
+        v: list[Number] = list(rest)
         n = len(self.step_correct)
         return MetricSums(
             v[:n], v[n : 2 * n], v[2 * n : 3 * n], dict(zip(keys, v[3 * n :], strict=True)), tokens, computed
@@ -138,18 +139,19 @@ class MetricSums:
         `loss` = sum_i loss_weights[i] * loss_i + sum_k extra_weights[k] * extra_k, i.e. the training
         objective (EAGLE-3: decay^i per step; EAGLE-1: token weight on step 0 plus feature weight).
         """
-        h = self.host()
+        h = self.host()  # every value a float from here on
         out: dict[str, float] = {}
-        accs, total = [], 0.0
+        accs: list[float] = []
+        total = 0.0
         for i, (ls, c, n) in enumerate(zip(h.step_loss, h.step_correct, h.step_tokens, strict=True)):
-            out[f"loss_{i}"] = ls / max(n, 1.0)
-            accs.append(c / max(n, 1.0))
+            out[f"loss_{i}"] = float(ls) / max(float(n), 1.0)
+            accs.append(float(c) / max(float(n), 1.0))
             out[f"acc_{i}"] = accs[-1]
             if i < len(loss_weights):
                 total += loss_weights[i] * out[f"loss_{i}"]
-        n0 = max(h.step_tokens[0], 1.0) if h.step_tokens else 1.0
+        n0 = max(float(h.step_tokens[0]), 1.0) if h.step_tokens else 1.0
         for k, v in h.extra.items():
-            out[k] = v / n0
+            out[k] = float(v) / n0
             total += (extra_weights or {}).get(k, 0.0) * out[k]
         out["loss"] = total
         out["tau_sim"] = simulated_tau(accs)

@@ -188,7 +188,7 @@ class TrainRecipe:
         self.resume_from = checkpoint_to_resume(cfg, log=print if acc.is_main_process else None)
         self.resume_record = run_record(cfg)  # stored in every checkpoint
 
-    def _setup_target_and_data(self) -> tuple[nn.Module, TargetInfo, HeadConfig]:
+    def _setup_target_and_data(self) -> tuple[Any, TargetInfo, HeadConfig]:
         """The frozen target, the head's config sized from it, and the training and held-out splits.
 
         target.shard=fsdp: decoder layers sharded; the embeddings, final norm and LM head the head reads
@@ -202,7 +202,7 @@ class TrainRecipe:
         self.pad_id = int(tokenizer.pad_token_id or 0)
         return target, info, head_cfg
 
-    def _setup_head(self, target: nn.Module, head_cfg: HeadConfig) -> DraftHead:
+    def _setup_head(self, target: Any, head_cfg: HeadConfig) -> DraftHead:
         """The head: fresh (a reduced vocabulary chosen from the training split's tokens), warm-started or
         from a target layer where asked, its LM head frozen where asked; the parameters that train."""
         t = self.cfg.train

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from eagle.config import ConfigError
-from eagle.heads.base import BorrowedModules, DraftHead, HeadConfig
+from eagle.heads.base import BorrowedModules, CausalLM, DraftHead, HeadConfig
 from eagle.heads.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from eagle.heads.target_layer import copy_target_layer, effective_gain, target_final_norm
 from eagle.heads.vocab import coverage, draft_vocab_from_counts, special_token_ids
@@ -38,6 +38,8 @@ class Eagle3Head(DraftHead):
     num_aux_layers: ClassVar[int] = 3
     reduced_vocab: ClassVar[bool] = True
     eagle31_options: ClassVar[bool] = True
+    d2t: torch.Tensor  # [Vd] buffer: target id - draft id
+    t2d: torch.Tensor  # [V] bool buffer: target ids in the draft vocabulary
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__(config)
@@ -69,7 +71,7 @@ class Eagle3Head(DraftHead):
             raise RuntimeError("attach_target(target_model) must be called before using the head")
         return self._borrowed["embed_tokens"]
 
-    def attach_target(self, target: nn.Module) -> None:
+    def attach_target(self, target: CausalLM) -> None:
         self._borrowed["embed_tokens"] = target.get_input_embeddings()
 
     def feature_layer_ids(self) -> list[int]:
@@ -81,7 +83,7 @@ class Eagle3Head(DraftHead):
         self.t2d.copy_(t2d.to(self.t2d))
 
     def init_from_target(
-        self, target_model: nn.Module | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
+        self, target_model: CausalLM | None, vocab_counts: torch.Tensor | None, special_ids: Sequence[int] | None
     ) -> None:
         """Choose the draft vocabulary (a reduced one needs the training data's token counts [V];
         special ids, default the target's eos/bos/pad, are always kept) and start `lm_head` from the
@@ -126,7 +128,7 @@ class Eagle3Head(DraftHead):
                 self.fc.weight[:, (k - 1) * ht :].copy_(torch.eye(h))
         return left
 
-    def freeze_lm_head(self, target_model: nn.Module | None) -> None:
+    def freeze_lm_head(self, target_model: CausalLM | None) -> None:
         """`lm_head` (the target's LM-head rows of the draft vocabulary, from `init_from_target`, or a
         warm start's) stops training. With `target_model` the final norm starts from the target's:
         then norm + lm_head read the head's output as the target's own output layer reads its last
