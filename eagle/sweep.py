@@ -480,7 +480,9 @@ class SweepCallback(Callback):
         task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False) or []
         params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
         swept = OmegaConf.to_container(params, resolve=False) if params is not None else None
-        os.environ[ENV_KEYS] = json.dumps(swept_keys([str(t) for t in task], swept if isinstance(swept, dict) else None))
+        os.environ[ENV_KEYS] = json.dumps(
+            swept_keys([str(t) for t in task], swept if isinstance(swept, dict) else None)
+        )
         os.environ[ENV_ID] = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:

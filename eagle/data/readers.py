@@ -27,6 +27,8 @@ def _after_separator(buf: str, pos: int) -> int:
     match = _SEPARATOR.match(buf, pos)
     assert match is not None
     return match.end()
+
+
 _CHUNK = 1 << 22  # 4 MiB of text per read: a few hundred ShareGPT records
 
 
