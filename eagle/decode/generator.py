@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -143,7 +143,7 @@ class SpeculativeGenerator:
         self.feature_ids = list(head.feature_layer_ids())
         self.eos = eos_ids(tokenizer, target)
         self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
-        self.static = compile_static_tree(decode_cfg.static_paths) if decode_cfg.tree == "static" else None
+        self.static = compile_static_tree(decode_cfg.static_paths or []) if decode_cfg.tree == "static" else None
         self.block = head.drafts_block  # one pass drafts every depth (DraftHead.draft_block, eagle.decode.block)
         if self.block and self.static is not None:
             raise EagleError(
@@ -225,7 +225,7 @@ class SpeculativeGenerator:
                 log.info(
                     "casting the draft head from %s to %s (decode.draft_dtype=%s)", have, dtype, self.cfg.draft_dtype
                 )
-            head = inference_copy(head, dtype)  # the caller's head keeps its dtype and export names
+            head = cast(DraftHead, inference_copy(head, dtype))  # the caller's head keeps its dtype and export names
         return head.eval()
 
     # --- one step pieces -------------------------------------------------------------------------
@@ -253,7 +253,10 @@ class SpeculativeGenerator:
         c = self.cfg
         if self.block:
             return self._draft_block(head_cache, root, root_hidden, root_pos)
+        # An autoregressive (EAGLE) head drafts from the hidden state its last commit returned.
+        assert root_hidden is not None
         if self.sampled:
+            assert self.chain_stats is not None  # kept whenever drafts are sampled
             depth = c.tree_depth
             if c.tree == "auto":
                 depth = choose_chain_length(
@@ -321,10 +324,10 @@ class SpeculativeGenerator:
         if g and self.cfg.tree == "auto" and self.verify_times and self.lookup_stats is not None:
             base = 1.0 + self._auto.calibration * self._auto.predicted  # the head's tree, calibrated
             gains = self.lookup_stats.expected(positions)
-            s, fixed = tree.size, self._step_fixed_s
+            s, fixed, times = tree.size, self._step_fixed_s, self.verify_times
 
             def rate(k: int) -> float:
-                return (base + (gains[k - 1] if k else 0.0)) / (verify_time(self.verify_times, s + k) + fixed)
+                return (base + (gains[k - 1] if k else 0.0)) / (verify_time(times, s + k) + fixed)
 
             g = max(range(g + 1), key=rate)
             n = tree.size + 1 + g
@@ -415,6 +418,7 @@ class SpeculativeGenerator:
         res.tokens += emitted
         if self.lookup_stats is not None:
             run.lookup = NgramLookup(prompt.tolist() + [run.root], self.cfg.lookup_max_ngram, self.cfg.lookup_min_ngram)
+        assert out.features is not None  # asked for: feature_layer_ids
         t0 = time.perf_counter()
         run.root_hidden = self._commit(
             run.hcache,
@@ -469,7 +473,8 @@ class SpeculativeGenerator:
             on_graft = int((acc.nodes >= first_grafted).sum()) if grafted else 0
             res.lookup_nodes.append(grafted)
             res.lookup_accepted.append(on_graft)
-            self.lookup_stats.observe(chain, acc.tokens)
+            if self.lookup_stats is not None:
+                self.lookup_stats.observe(chain, acc.tokens)
             run.lookup.extend(acc.tokens)
             accepted_drafts -= on_graft  # the head's calibration counts the head's nodes only
         res.timings.draft_s += t1 - t0
@@ -477,6 +482,7 @@ class SpeculativeGenerator:
         self._step_fixed_s = 0.8 * self._step_fixed_s + 0.2 * (t1 - t0)
         if self.cfg.tree == "auto":
             self._auto.observe(accepted=accepted_drafts, draft_s=t1 - t0, step_s=time.perf_counter() - t0)
+        assert out.features is not None  # the verify pass always asks for the head's feature layers
         return emitted, acc, out.features
 
     def _commit_accepted(self, run: _Decoding, acc: Any, features: torch.Tensor) -> None:

@@ -72,7 +72,7 @@ def hardware_info(device: torch.device | str) -> dict[str, Any]:
     return info
 
 
-def prompt_record(prompt_id: str, category: str, turns: list[dict[str, Any]]) -> dict[str, Any]:
+def prompt_record(prompt_id: str, category: str | None, turns: list[dict[str, Any]]) -> dict[str, Any]:
     """One `per_prompt` entry: totals over the prompt's turns plus the per-turn details."""
     spec = [t["methods"][SPEC] for t in turns]
     matches = [t["greedy_match"] for t in turns]

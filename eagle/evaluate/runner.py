@@ -252,6 +252,7 @@ def tree_settings(decode: DecodeConfig) -> dict[str, Any]:
 
 
 def _max_depth(decode: DecodeConfig, block_drafts: int | None = None) -> int | None:
+    depth: int | None
     if block_drafts is not None:  # a block drafter drafts every block position, whatever decode.tree_depth says
         depth = block_drafts
     elif decode.tree == "static" and decode.static_paths:
