@@ -44,8 +44,8 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
-# humaneval_long: the file lengths (characters) before the problem, cycled over the problems. About 3.5
-# characters of Python per token (SmolLM2's tokenizer): roughly 1K, 2K, 4K and 7K tokens of context.
+# humaneval_long: the file lengths (characters) before the problem, cycled over the problems. With SmolLM2's
+# tokenizer these are from just over 1K to over 8K tokens of context (about 3 characters of this code a token).
 LONG_FILE_CHARS = (4_000, 8_000, 16_000, 26_000)
 
 
