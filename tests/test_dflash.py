@@ -37,8 +37,6 @@ from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
 from eagle.decode.block import block_pool
 from eagle.decode.generator import SpeculativeGenerator
-from eagle.evaluate import evaluate
-from eagle.export.loader import load_draft
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, hf_greedy, oracle_table, prompt_ids, random_head
 from tests.support.heads import randomise
@@ -296,33 +294,8 @@ def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, 
     )
     result = train(cfg)
     assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
-    model, tok = make_model("qwen3")  # the workspace's target: the same seed
-    head, _ = load_draft(str(tmp_path / "out"), model.eval())
-    assert head.config.algorithm == "dflash" and head.config.block_size == 4
-    ids = prompt_ids(tok, "The quick brown fox")
-    res = SpeculativeGenerator(model, head, tok, decode_cfg(draft_dtype="float32")).generate(ids)
-    assert res.tokens == hf_greedy(model, ids, 24)
-    if online:
-        return
-    # eagle-eval on the trained head: greedy identical to HF generate, the report names the algorithm and block.
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p", "prompt": "Write a short poem about the sea."}) + "\n")
-    report = evaluate(
-        compose(
-            [
-                f"target.path={ws.target}",
-                f"draft.path={tmp_path / 'out'}",
-                f"eval.prompts={prompts}",
-                "eval.warmup_prompts=0",
-                "decode.max_new_tokens=16",
-                "decode.temperature=0",
-                "target.dtype=float32",
-                f"output_dir={tmp_path / 'eval'}",
-            ]
-        )
-    )
-    assert report["greedy_match"] == 1.0
-    assert report["settings"]["algorithm"] == "dflash" and report["settings"]["block_size"] == 4
+    # Lossless decoding; offline, eagle-eval too (greedy identical, the report names the algorithm and block).
+    ws.check_trained_head(tmp_path / "out", "dflash", 4, None if online else tmp_path / "report")
 
 
 def test_config_refuses_bad_block_settings():
@@ -369,7 +342,6 @@ def test_eagle3_unrolled_loss_takes_the_lk_objectives(kind):
 def test_vllm_export_has_the_dflash_layout_passes_check_and_decodes_the_same(qwen3, tmp_path):
     """format=vllm writes the layout vLLM's DFlashDraftModel and llama.cpp's converter read (top-level names,
     no embeddings or LM head, dflash_config with layer *outputs*); our loader reads it back to the same head."""
-    import json
 
     from safetensors import safe_open
 

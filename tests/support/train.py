@@ -3,14 +3,19 @@ comparisons of the heads and optimizer states two runs wrote."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from eagle.cli.app import compose
+from eagle.decode import SpeculativeGenerator
+from eagle.evaluate import evaluate
+from eagle.export import load_draft
 from tests.support.data import write_conversations
-from tests.tiny_models import save_model
+from tests.support.decode import decode_cfg, hf_greedy, prompt_ids
+from tests.tiny_models import make_model, save_model
 
 
 def base_overrides(target_dir: Path, conversations: Path, algorithm: str) -> list[str]:
@@ -59,6 +64,7 @@ class Workspace:
         from eagle.capture.runner import run_capture
 
         self.root = root
+        self.family = family
         self.algorithm = algorithm
         self.target = save_model(family, root / "target")
         self.conversations = write_conversations(root / "convs.jsonl")
@@ -68,6 +74,38 @@ class Workspace:
 
     def cfg(self, out: Path, online: bool = False, steps: int = 6, **extra: object):
         return compose(self.base + train_overrides(out, None if online else self.capture, steps, **extra))
+
+    def check_trained_head(self, out: Path, algorithm: str, block_size: int, report_dir: Path | None) -> None:
+        """The head trained into `out` loads onto the workspace's target (rebuilt from its seed), is the
+        `algorithm` with `block_size`, and decodes greedily as HF `generate` does; with `report_dir`,
+        eagle-eval on it also gives greedy output identical to HF generate and a report naming both."""
+        model, tok = make_model(self.family)
+        head, _ = load_draft(str(out), model.eval())
+        assert head.config.algorithm == algorithm and head.config.block_size == block_size
+        ids = prompt_ids(tok, "The quick brown fox")
+        res = SpeculativeGenerator(model, head, tok, decode_cfg(draft_dtype="float32")).generate(ids)
+        assert res.tokens == hf_greedy(model, ids, 24)
+        if report_dir is None:
+            return
+        prompts = report_dir / "prompts.jsonl"
+        report_dir.mkdir(parents=True, exist_ok=True)
+        prompts.write_text(json.dumps({"id": "p", "prompt": "Write a short poem about the sea."}) + "\n")
+        report = evaluate(
+            compose(
+                [
+                    f"target.path={self.target}",
+                    f"draft.path={out}",
+                    f"eval.prompts={prompts}",
+                    "eval.warmup_prompts=0",
+                    "decode.max_new_tokens=16",
+                    "decode.temperature=0",
+                    "target.dtype=float32",
+                    f"output_dir={report_dir / 'eval'}",
+                ]
+            )
+        )
+        assert report["greedy_match"] == 1.0
+        assert report["settings"]["algorithm"] == algorithm and report["settings"]["block_size"] == block_size
 
 
 def head_weights(folder: Path) -> dict[str, torch.Tensor]:
