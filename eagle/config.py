@@ -67,6 +67,10 @@ class DataConfig:
     # a reasoning target spends most of its tokens thinking, so a head that drafts them is the one that pays.
     # false: only the answer (and tool calls) are trained; the thinking stays in the context.
     train_on_reasoning: bool = True
+    # How conversations become tokens: chat_template = the tokenizer's (Jinja) chat template; harmony =
+    # gpt-oss's Harmony format rendered by the openai-harmony package (eagle/data/harmony.py); auto = harmony
+    # for gpt-oss's tokenizer when the package is installed, the chat template otherwise.
+    renderer: str = "auto"
     heldout_fraction: float = 0.02  # share kept out of training for validation
     split_seed: int = 0
     # Evaluation prompt sets whose prompts must not appear in the training data.
@@ -420,6 +424,7 @@ def _check_data(data: DataConfig) -> None:
     _choice("data.source", data.source, ("sharegpt", "local", "hub"))
     _choice("data.format", data.format, ("auto", "sharegpt", "openai"))
     _choice("data.overflow", data.overflow, ("truncate", "drop"))
+    _choice("data.renderer", data.renderer, ("auto", "chat_template", "harmony"))
     _positive("data.max_length", data.max_length)
     _positive("data.max_conversations", data.max_conversations)
     if not 0.0 <= data.heldout_fraction < 1.0:

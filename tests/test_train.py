@@ -16,6 +16,7 @@ import torch
 
 from eagle.cli.app import compose
 from eagle.errors import CaptureError, CheckpointError
+from eagle.train.batches import warn_cut_sequences
 from eagle.train.metrics import MetricSums, simulated_tau
 from eagle.train.schedule import lr_factor
 from tests.support.train import (
@@ -740,3 +741,13 @@ def test_freeze_lm_head_trains_everything_but_the_lm_head(ws3, tmp_path):
         train(ws3.cfg(tmp_path / "f", steps=5, train__freeze_lm_head=False))
     with pytest.raises(ConfigError, match="freeze_lm_head=true: draft.algorithm=eagle1"):
         ws3.cfg(tmp_path / "e", train__freeze_lm_head=True, draft__algorithm="eagle1")
+
+
+def test_sequences_longer_than_train_max_length_are_named(capsys):
+    """A packed long-context capture trained at a short train.max_length would be cut silently."""
+    warn_cut_sequences([4096, 300, 3900], 768)
+    err = capsys.readouterr().err
+    assert "2 of 3 training sequences are longer than train.max_length=768 (longest 4096)" in err
+    warn_cut_sequences([4096], 768, rank=1)  # said once, by rank 0
+    warn_cut_sequences([300, 700], 768)
+    assert capsys.readouterr().err == ""

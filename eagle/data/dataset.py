@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from eagle.config import DataConfig
 from eagle.data.eval_prompts import load_eval_prompts
+from eagle.data.harmony import renderer_for, tokenize_harmony
 from eagle.data.readers import ReadReport, iter_records
 from eagle.data.records import Conversation, SkipRecord, normalise_record
 from eagle.data.template import TokenizedConversation, require_chat_template, tokenize_with_reason
@@ -161,13 +162,18 @@ def build_splits(cfg: DataConfig, tokenizer: Any, progress: bool = True) -> Data
     With a positive `heldout_fraction` and at least two conversations the held-out split is never
     empty: if the hash split leaves it empty, the conversation with the smallest hash is moved there.
     """
-    require_chat_template(tokenizer)  # fail before reading anything
+    harmony = renderer_for(cfg.renderer, tokenizer)  # fail before reading anything
+    if harmony is None:
+        require_chat_template(tokenizer)
     convs, stats = load_conversations(cfg)
     tokenized: list[TokenizedConversation] = []
     for conv in tqdm(convs, desc="tokenize", unit="conv", disable=not progress):
-        tc, reason = tokenize_with_reason(
-            conv, tokenizer, cfg.max_length, cfg.overflow, train_on_reasoning=cfg.train_on_reasoning
-        )
+        if harmony is not None:
+            tc, reason = tokenize_harmony(conv, harmony, cfg.max_length, cfg.overflow, cfg.train_on_reasoning)
+        else:
+            tc, reason = tokenize_with_reason(
+                conv, tokenizer, cfg.max_length, cfg.overflow, train_on_reasoning=cfg.train_on_reasoning
+            )
         if tc is None:
             if reason == "too_long":
                 stats.dropped_too_long += 1

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from eagle.config import RegenerateConfig
+from eagle.data.harmony import HarmonyRenderer
 from eagle.data.records import Conversation
 from eagle.data.template import TemplateFailure, render
 from eagle.decode.continuous import Job
@@ -47,8 +48,13 @@ def split_harmony(text: str) -> tuple[str | None, str] | None:
     return ("\n\n".join(a for a in analysis if a) or None), message(final)
 
 
-def check_reasoning_setting(tokenizer: Any, cfg: RegenerateConfig) -> None:
+def check_reasoning_setting(tokenizer: Any, cfg: RegenerateConfig, harmony: HarmonyRenderer | None = None) -> None:
     """regenerate.reasoning=off needs a template with a thinking switch; refused at start otherwise."""
+    if cfg.reasoning == "off" and harmony is not None:
+        raise DataError(
+            "regenerate.reasoning=off: gpt-oss's Harmony format has no switch that turns its thinking off (only "
+            "its reasoning effort); use regenerate.reasoning=drop to leave the thinking out of the records"
+        )
     template = getattr(tokenizer, "chat_template", None) or ""
     if cfg.reasoning == "off" and "enable_thinking" not in template:
         raise DataError(
@@ -64,7 +70,8 @@ class ConversationJob(Job):
 
     `next_prompt()` gives the next turn's prompt ids (its text stays in `prompt_text`); the answer comes
     back as tokens (`finish_answer`) or as text (`finish_text`, from a server that returns no ids).
-    Asking for the same turn again (after a server failed) renders the same prompt."""
+    Asking for the same turn again (after a server failed) renders the same prompt. With `harmony` (gpt-oss,
+    `data.renderer`), prompts are rendered and answers read by openai-harmony instead of the chat template."""
 
     def __init__(
         self,
@@ -72,9 +79,10 @@ class ConversationJob(Job):
         tokenizer: Any,
         cfg: RegenerateConfig,
         on_done: Callable[[dict[str, Any]], None] | None = None,
+        harmony: HarmonyRenderer | None = None,
     ) -> None:
         self.id = conversation.id
-        self.tokenizer, self.cfg, self.on_done = tokenizer, cfg, on_done
+        self.tokenizer, self.cfg, self.on_done, self.harmony = tokenizer, cfg, on_done, harmony
         self.pending = list(conversation.messages)  # turns still to replay
         self.history: list[dict[str, Any]] = []  # the regenerated conversation so far
         self.token_ids: dict[int, list[int]] = {}  # history index of an answer -> its generated ids, where kept
@@ -96,10 +104,7 @@ class ConversationJob(Job):
             and (self.cfg.max_turns is None or self.answered < self.cfg.max_turns)
         ):
             try:
-                switch = {"enable_thinking": False} if self.cfg.reasoning == "off" else {}
-                text = render(self.tokenizer, self.history, add_generation_prompt=True, **switch)
-                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-                self.prompt_text = text
+                ids = self._render_prompt()
             except TemplateFailure:
                 ids = []
             # A longer prompt ends the conversation here: training truncates at data.max_length anyway.
@@ -109,10 +114,23 @@ class ConversationJob(Job):
         self._finish()
         return None
 
+    def _render_prompt(self) -> list[int]:
+        """The history's prompt ids, ready for the answer (its text kept in `prompt_text`)."""
+        if self.harmony is not None:
+            ids = self.harmony.prompt_ids(self.history)
+            self.prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            return ids
+        switch = {"enable_thinking": False} if self.cfg.reasoning == "off" else {}
+        self.prompt_text = render(self.tokenizer, self.history, add_generation_prompt=True, **switch)
+        return list(self.tokenizer(self.prompt_text, add_special_tokens=False)["input_ids"])
+
     def finish_answer(self, tokens: list[int], keep_ids: bool = True) -> None:
         """The answer as generated token ids (stop token excluded); `keep_ids` stores them in the record
         beside the text, so that training reads the ids the target generated (`eagle.data.template`).
         A Harmony answer (gpt-oss) is split by its channels, which are special tokens."""
+        if self.harmony is not None:
+            self._answer(*self.harmony.parse_answer(tokens), None)
+            return
         harmony = split_harmony(self.tokenizer.decode(tokens, skip_special_tokens=False))
         if harmony is not None:
             self._answer(harmony[0], harmony[1], None)  # its ids hold the channel markers too
@@ -154,7 +172,7 @@ class ConversationJob(Job):
             self.on_done(self.record)
 
 
-def first_turn_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
+def first_turn_prompt(tokenizer: Any, conversation: Conversation, harmony: HarmonyRenderer | None = None) -> list[int]:
     """Prompt ids of the conversation up to its first user turn, ready for the answer ([] if the
     chat template cannot render it)."""
     turns = []
@@ -163,6 +181,8 @@ def first_turn_prompt(tokenizer: Any, conversation: Conversation) -> list[int]:
         if m["role"] == "user":
             break
     try:
+        if harmony is not None:
+            return harmony.prompt_ids(turns)
         return list(
             tokenizer(render(tokenizer, turns, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
         )

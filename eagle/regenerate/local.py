@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from eagle.config import RegenerateConfig
+from eagle.data.harmony import HarmonyRenderer
 from eagle.data.records import Conversation
 from eagle.decode.continuous import ContinuousGenerator, Sampling, slot_attention_enabled
 from eagle.regenerate.job import ConversationJob, first_turn_prompt
@@ -52,11 +53,16 @@ def generate_replies(
 
 
 def regenerate_batch(
-    model: Any, tokenizer: Any, batch: list[Conversation], cfg: RegenerateConfig, stop_ids: list[int]
+    model: Any,
+    tokenizer: Any,
+    batch: list[Conversation],
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    harmony: HarmonyRenderer | None = None,
 ) -> list[dict[str, Any]]:
     """`regenerate.engine=generate`: a batch of conversations advances one assistant turn per round
     with left-padded `generate` calls. Records in the batch's order."""
-    jobs = [ConversationJob(c, tokenizer, cfg) for c in batch]
+    jobs = [ConversationJob(c, tokenizer, cfg, harmony=harmony) for c in batch]
     asking = [(j, p) for j in jobs if (p := j.next_prompt()) is not None]
     while asking:
         answers = generate_replies(model, tokenizer, [p for _, p in asking], cfg, stop_ids)
@@ -74,6 +80,7 @@ def _continuous(
     stop_ids: list[int],
     write: Callable[[list[dict[str, Any]]], None],
     bar: Any,
+    harmony: HarmonyRenderer | None = None,
 ) -> None:
     """`regenerate.engine=continuous`: conversations sorted by first-prompt length (slots that run
     together attend over similar lengths), each record written as soon as it is done."""
@@ -81,8 +88,8 @@ def _continuous(
     def on_done(record: dict[str, Any]) -> None:
         write([record])
 
-    jobs = [ConversationJob(c, tokenizer, cfg, on_done) for c in todo]
-    firsts = {j.id: len(first_turn_prompt(tokenizer, c)) for j, c in zip(jobs, todo, strict=True)}
+    jobs = [ConversationJob(c, tokenizer, cfg, on_done, harmony) for c in todo]
+    firsts = {j.id: len(first_turn_prompt(tokenizer, c, harmony)) for j, c in zip(jobs, todo, strict=True)}
     jobs.sort(key=lambda j: firsts[j.id])
     sampling = Sampling(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
@@ -115,6 +122,7 @@ class LocalBackend:
         stop_ids: list[int],
         write: Callable[[list[dict[str, Any]]], None],
         bar: Any,
+        harmony: HarmonyRenderer | None = None,
     ) -> None:
         model = self.model
         was_training = model.training
@@ -122,11 +130,11 @@ class LocalBackend:
         try:
             with torch.no_grad():
                 if cfg.engine == "continuous":
-                    _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar)
+                    _continuous(model, tokenizer, todo, cfg, stop_ids, write, bar, harmony)
                 else:
                     for k in range(0, len(todo), cfg.batch_size):
                         batch = todo[k : k + cfg.batch_size]
                         torch.manual_seed(_batch_seed(cfg.seed, batch))
-                        write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids))
+                        write(regenerate_batch(model, tokenizer, batch, cfg, stop_ids, harmony))
         finally:
             model.train(was_training)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from eagle.config import DataConfig, RegenerateConfig, RootConfig
 from eagle.data.dataset import load_conversations
+from eagle.data.harmony import HarmonyRenderer, renderer_for
 from eagle.data.records import Conversation
 from eagle.data.template import end_of_turn_ids
 from eagle.regenerate.job import check_reasoning_setting
@@ -42,6 +43,7 @@ class RegenerationBackend(Protocol):
         stop_ids: list[int],
         write: Callable[[list[dict[str, Any]]], None],
         bar: Any,
+        harmony: HarmonyRenderer | None = None,
     ) -> None: ...
 
 
@@ -62,7 +64,8 @@ def regenerate(
     `eagle.regenerate.server.ServerBackend`). `target_fingerprint` names the target whose tokenizer and chat
     template render the prompts. `data` (the settings `conversations` were read with) is recorded too,
     so a resume on other data is refused rather than appended."""
-    check_reasoning_setting(tokenizer, cfg)
+    harmony = renderer_for(data.renderer if data is not None else "auto", tokenizer)  # gpt-oss: Harmony
+    check_reasoning_setting(tokenizer, cfg, harmony)
     backend = target if isinstance(target, RegenerationBackend) else LocalBackend(target)
     who = backend.start(tokenizer, cfg)  # a server backend checks every server here, before anything is written
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +76,7 @@ def regenerate(
     check_meta(output, settings)
     done = recover_output(output)
     todo = [c for c in conversations if c.id not in done]
-    stop_ids = end_of_turn_ids(tokenizer)
+    stop_ids = harmony.stop_ids() if harmony is not None else end_of_turn_ids(tokenizer)
     bar = tqdm(
         total=len(conversations),
         initial=len(conversations) - len(todo),
@@ -90,7 +93,7 @@ def regenerate(
                 os.fsync(f.fileno())
                 bar.update(len(records))
 
-            backend.run(todo, tokenizer, cfg, stop_ids, write, bar)
+            backend.run(todo, tokenizer, cfg, stop_ids, write, bar, harmony)
     finally:
         bar.close()
     return output

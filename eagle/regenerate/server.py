@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from tqdm.auto import tqdm
 
 from eagle.config import RegenerateConfig
+from eagle.data.harmony import HarmonyRenderer
 from eagle.data.records import Conversation
 from eagle.errors import ServerError, TargetError
 from eagle.regenerate.engines import ENGINES, Answer, Completion, Engine, EngineError, detect_engine
@@ -214,7 +215,14 @@ class ServerBackend:
 
     # -- run: schedule turns, fail over ----------------------------------------------------------------
     def run(
-        self, todo: list[Conversation], tokenizer: Any, cfg: RegenerateConfig, stop_ids: list[int], write: Any, bar: Any
+        self,
+        todo: list[Conversation],
+        tokenizer: Any,
+        cfg: RegenerateConfig,
+        stop_ids: list[int],
+        write: Any,
+        bar: Any,
+        harmony: HarmonyRenderer | None = None,
     ) -> None:
         """Regenerate `todo`, passing each finished record to `write` (on this thread)."""
         if not self.servers:
@@ -234,7 +242,7 @@ class ServerBackend:
         # turn), `fresh` the conversations not started. A turn's answer is followed at once by the job's
         # next prompt on this thread, so a finished conversation is written the moment its last answer
         # arrives, even when no server is left to take another turn.
-        fresh = deque(ConversationJob(c, tokenizer, cfg, on_done) for c in todo)
+        fresh = deque(ConversationJob(c, tokenizer, cfg, on_done, harmony) for c in todo)
         ready: deque[tuple[ConversationJob, list[int]]] = deque()
         inflight: dict[Future, tuple[ConversationJob, list[int], _Server]] = {}
         for s in self.servers:

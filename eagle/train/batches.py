@@ -17,6 +17,7 @@ global batch is skipped (every step has the same number of conversations).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,20 @@ def micro_slices(batch_size: int, grad_accum: int, world_size: int, rank: int) -
     return [slice(a * micro + rank * per_rank, a * micro + (rank + 1) * per_rank) for a in range(grad_accum)]
 
 
+def warn_cut_sequences(lengths: list[int], max_length: int, rank: int = 0) -> None:
+    """Say when training sequences are longer than train.max_length: only their first max_length tokens are
+    trained, which silently undoes a long-context capture (data.pack=true data.max_length=4096)."""
+    longer = [n for n in lengths if n > max_length]
+    if longer and rank == 0:
+        print(
+            f"train: note: {len(longer)} of {len(lengths)} training sequences are longer than "
+            f"train.max_length={max_length} (longest {max(longer)}); only their first {max_length} tokens are "
+            "trained: raise train.max_length to train on all of them",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class BatchStream:
     """Deterministic, resumable stream of this rank's micro-batches for each optimizer step."""
 
@@ -244,7 +259,9 @@ class BatchStream:
         self.pad_id = pad_id
         self.position = position or DataPosition()
         self.seed = seed
-        self.lengths = data.lengths() if group_lengths else None
+        lengths = data.lengths()
+        self.lengths = lengths if group_lengths else None
+        warn_cut_sequences(lengths, max_length, rank)
         self._order_epoch: int | None = None
         self._order: list[int] = []
 
