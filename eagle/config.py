@@ -81,7 +81,7 @@ class DataConfig:
 class RegenerateConfig:
     output: str | None = None  # default: <output_dir>/regenerated.jsonl
     # continuous: every slot stays busy (a finished conversation's slot takes the next one at once),
-    # 1.54x the tokens/s of `generate` on a padded batch of 32 (scripts/bench_regenerate.py, bf16).
+    # 1.54x the tokens/s of `generate` on a padded batch of 32 (benchmarks/regenerate.py, bf16).
     # generate: left-padded HF `generate` per batch, for targets whose attention the continuous
     # engine cannot run (attention sinks).
     engine: str = "continuous"
@@ -126,7 +126,7 @@ class CaptureConfig:
     shard_size: int = 64  # conversations per shard
     # Storage dtype of features: bfloat16 | float16 | float32. bfloat16: the bytes of float16 with float32's
     # range (aux layers of some targets pass float16's 65504; SmolLM2's reach 2.5e4), and held-out acc@0
-    # equal to float16's in scripts/bench_capture_dtype.py (400 steps, same capture: 0.361 vs 0.358 and 0.343
+    # equal to float16's in benchmarks/studies/capture_dtype.py (400 steps, same capture: 0.361 vs 0.358 and 0.343
     # vs 0.341 at two seeds, which differ by 0.017).
     dtype: str = "bfloat16"
     batch_tokens: int = 4096  # max (padded) tokens per forward; batches are length-sorted
@@ -208,11 +208,11 @@ class TrainConfig:
     freeze_lm_head: bool = False
     # Stop after this many minutes of this invocation (eval and checkpoints included), finishing the
     # step, evaluating and saving as at max_steps; the same command resumes. For runs that must fit a
-    # session or a fixed CPU budget (scripts/bench_recipe.py). None: no limit.
+    # session or a fixed CPU budget (benchmarks/studies/recipe.py). None: no limit.
     max_minutes: float | None = None
     # What the lr decay runs over after warm-up: steps (to max_steps) | minutes (to max_minutes of the
     # run's wall time, setup included: a fixed time budget whose step count is not known in advance,
-    # e.g. scripts/bench_recipe.py). In `minutes` max_minutes is the whole run's budget: a resumed run
+    # e.g. benchmarks/studies/recipe.py). In `minutes` max_minutes is the whole run's budget: a resumed run
     # continues the clock of its checkpoint. Wall time is not reproducible, so neither is the lr path.
     schedule_over: str = "steps"
     batch_size: int = 4  # conversations per optimizer step (global, before accumulation split)
@@ -305,7 +305,7 @@ class DecodeConfig:
     acceptance: str = "exact"
     typical_epsilon: float = 0.09  # Medusa's posterior_threshold: the hard probability threshold, in (0, 1)
     typical_delta: float = 0.3  # Medusa's posterior_alpha: scale of the entropy-adaptive threshold, in (0, 1]
-    lenient_top_k: int = 2  # >= 1; not tuned: scripts/bench_acceptance.py measures what it costs
+    lenient_top_k: int = 2  # >= 1; not tuned: benchmarks/acceptance.py measures what it costs
     lenient_margin: float = 1.0  # logits, >= 0; not tuned either
 
 
@@ -341,7 +341,7 @@ class ExportConfig:
     verifier: str | None = None
     # The chain length an engine should draft with this head (vLLM's `num_speculative_tokens`): written to
     # a speculators config (`speculative_tokens`) and to the model card's serving command. Measure it for a
-    # head with `CHECK_K="1 2 3" scripts/check_vllm.sh HEAD` (the fastest k). null: decode.tree_depth.
+    # head with `CHECK_K="1 2 3" tests/engines/check_vllm.sh HEAD` (the fastest k). null: decode.tree_depth.
     speculative_tokens: int | None = None
 
 

@@ -13,7 +13,7 @@
 # metadata says 0.0.0, so curl downloads the file, checked by its sha256) unpacked, configured
 # (Release, -DGGML_NATIVE=ON: for this machine's CPU only), only the tool's target built, under
 # BUILD_TIMEOUT seconds (default 3600), logged to $LLAMACPP_DIR/build.log. LLAMACPP_NO_BUILD=1: never
-# build, fail instead (what scripts/bench_regenerate_servers.py asks unless --build-llamacpp).
+# build, fail instead (what benchmarks/regenerate_servers.py asks unless --build-llamacpp).
 # LLAMACPP_SDIST=FILE: use that copy of the sdist instead of downloading it (checked the same way).
 # Everything goes to stderr except the one path printed on stdout; errors are "FAIL: ..." lines and a
 # non-zero status. Functions run in subshells: sourcing this changes nothing in the caller's shell.

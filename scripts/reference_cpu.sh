@@ -103,7 +103,7 @@ stage regenerate eagle-regenerate "${R[@]}" data.max_conversations="$CONVERSATIO
 [[ " $STAGES " == *" regenerate "* ]] && keep_regenerated
 # Held-out prompts never enter: MT-bench / HumanEval are removed from the data before regeneration.
 # Captured in bf16, the dtype the head is served in on this CPU (decode target.dtype=auto): 3.0x the
-# float32 capture here (bench_capture, 48 conversations: 2306 vs 771 tok/s).
+# float32 capture here (benchmarks/capture.py, 48 conversations: 2306 vs 771 tok/s).
 stage capture eagle-capture "${R[@]}" data=local data.path="$REGEN" data.max_conversations=null \
   target.dtype=bfloat16 output_dir="$WORK/capture"
 # MAX_MINUTES=N stops training after N minutes (checkpoint saved); the same command continues it.
@@ -117,5 +117,5 @@ stage eval evaluate
 stage export export_head
 # The check serves the head at k = 1, 2 and 3 and prints the fastest (the recipe's export.speculative_tokens
 # is what the card advertises: set it to that k).
-stage check env CHECK_K="${CHECK_K:-1 2 3}" bash scripts/check_vllm.sh "$HEAD"
+stage check env CHECK_K="${CHECK_K:-1 2 3}" bash tests/engines/check_vllm.sh "$HEAD"
 echo "reference head: $HEAD (stage times in $WORK/stages.tsv)"

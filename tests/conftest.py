@@ -30,7 +30,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--engines",
+        action="store_true",
+        help="run the opt-in engine checks (tests/engines/test_engines.py: vLLM, speculators, llama.cpp)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--engines"):
+        skip = pytest.mark.skip(reason="an engine check: opt in with --engines (make check-engines)")
+        for item in items:
+            if item.get_closest_marker("engines") is not None:
+                item.add_marker(skip)
     # Files with long tests (marked slow or smollm2) first, each file's tests kept together and in
     # order: under `-n auto --dist loadfile` the long files start at once and the short ones fill the
     # workers' gaps, instead of one long file running alone at the end.

@@ -1,7 +1,7 @@
 """capture.backend=vllm without vLLM: layer mapping, the worker protocol through a stand-in engine that
 runs the HF model (tests/support/standin_vllm_worker.py), manifest identity, and the refusals.
 
-The real engine is checked by the opt-in scripts/check_vllm_capture.sh (vLLM's own venv)."""
+The real engine is checked by the opt-in tests/engines/check_vllm_capture.sh (vLLM's own venv)."""
 
 from __future__ import annotations
 

@@ -204,3 +204,19 @@ def test_readme_links_every_docs_page():
     linked = {(README.parent / t.partition("#")[0]).resolve() for t in LINK.findall(README.read_text())}
     missing = [p.relative_to(ROOT) for p in DOCS[1:] if p.resolve() not in linked]
     assert missing == [], f"pages no README link leads to: {missing}"
+
+
+PATH_MENTION = re.compile(r"(?<![\w/.$~-])((?:scripts|benchmarks|tests|eagle|conf|recipes|heads)/[\w./*-]*[\w*])")
+
+
+def _path_mentions(text: str) -> set[str]:
+    """Repository paths a page names in passing (`scripts/demo.sh`, benchmarks/decode.py), placeholders
+    (upper-case words: `check_ENGINE.sh`) and globs left out."""
+    return {p for p in PATH_MENTION.findall(text) if not re.search(r"[A-Z]{3,}|\*", p)}
+
+
+@pytest.mark.parametrize("path", [*DOCS, *sorted((ROOT / "recipes").glob("*.yaml"))], ids=lambda p: p.name)
+def test_every_repository_path_a_page_names_exists(path):
+    """A moved or renamed file leaves no page (or recipe comment) pointing at where it was."""
+    missing = sorted(p for p in _path_mentions(path.read_text()) if not (ROOT / p).exists())
+    assert not missing, f"{path.relative_to(ROOT)} names paths that do not exist: {missing}"

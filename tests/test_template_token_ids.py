@@ -271,7 +271,7 @@ def test_ids_cut_inside_a_character_are_spliced_whole(use_offsets):
 
 @pytest.mark.smollm2
 def test_smollm2_non_canonical_splits_reach_training_as_generated():
-    """The splits SmolLM2 was seen generating (scripts/check_retokenize.py): `Bre|ndon` where its tokenizer
+    """The splits SmolLM2 was seen generating (benchmarks/studies/retokenize.py): `Bre|ndon` where its tokenizer
     makes `B|rend|on`, and one `ĊĊ` where it makes `Ċ|Ċ`; an answer cut at the token limit after a newline."""
     from eagle.config import TargetConfig
     from eagle.target.loading import load_tokenizer

@@ -61,7 +61,7 @@ class LossSettings:
     token_weight: float  # EAGLE-1 soft-CE weight
     noise_std: float  # EAGLE-1 feature noise (training only)
     pad_id: int
-    dense_ttt_mask: bool = False  # unroll through the dense mask (the definition; scripts/bench_ttt.py)
+    dense_ttt_mask: bool = False  # unroll through the dense mask (the definition; benchmarks/studies/ttt.py)
     loss: str = "ce"  # train.loss (eagle.algorithms.objectives)
     position_weights: str = "decay"  # train.position_weights, `auto` resolved by the algorithm
     position_gamma: float = 7.0

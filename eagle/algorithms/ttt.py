@@ -84,7 +84,7 @@ def ttt_forward(
     Step i's input token at index t is x_{t+1+i} (`input_ids` shifted left by i, `pad_token_id`
     past the end; those positions must be masked out of the loss, see `eagle.algorithms.losses`).
     dense_mask=True attends through SDPA with the dense `ttt_mask` (the plain definition, which
-    `scripts/bench_ttt.py` times against the default structured attention; the results are equal).
+    `benchmarks/studies/ttt.py` times against the default structured attention; the results are equal).
     """
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")

@@ -21,8 +21,8 @@ target's embedding (`set_embed`), and our own loader borrows the target's. specu
 store the target's input embedding (vocab x hidden in the export dtype): the speculators library
 (0.9) fills `embed_tokens` from the verifier only while it is still NaN, and under transformers 5
 `from_pretrained` has already materialised it (zeros), so without a stored copy its forward runs on
-a zero embedding (scripts/check_speculators.sh measures it). vLLM keeps such a stored copy for the draft
-instead of sharing the target's (same acceptance in scripts/check_vllm.sh). Older speculators exports
+a zero embedding (tests/engines/check_speculators.sh measures it). vLLM keeps such a stored copy for the draft
+instead of sharing the target's (same acceptance in tests/engines/check_vllm.sh). Older speculators exports
 without it still pass `--check`, with a note.
 EAGLE-1's LM head is the target's in every runtime, so it is not written either.
 

@@ -10,7 +10,7 @@ W @ x^T (then transposed) costs about 1-2x one row:
     F.linear  (x @ W^T)                           12    45    62    64
     torch.mm(W, x^T).T                            14    11    14    26
 
-(`python scripts/bench_gemm.py` prints this table for the machine it runs on.) The values are the same
+(`python -m benchmarks gemm` prints this table for the machine it runs on.) The values are the same
 products in another summation order (differences of ~1e-6 relative, as between any two BLAS kernels),
 and the weights are not copied or changed.
 

@@ -95,7 +95,7 @@ def resolve_mixed_precision(name: str, device: torch.device | str | None = None)
 
     `auto` is bf16 autocast where the device computes bf16 natively (a CPU with AVX512-BF16 / AMX,
     a CUDA device with bf16), else no (float32). On such a CPU one EAGLE-3 step runs ~1.7x faster
-    under bf16 autocast (scripts/bench_train.py). An explicit half precision the device would only
+    under bf16 autocast (benchmarks/train.py). An explicit half precision the device would only
     emulate is refused, naming the device and the missing support.
     """
     if name not in MIXED_PRECISION:

@@ -2,7 +2,7 @@
 # Opt-in integration check (not part of `make test`): does the speculators library load our
 # speculators-format export with its own API and compute the same draft logits as eagle?
 #
-#   scripts/check_speculators.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
+#   tests/engines/check_speculators.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
 #
 # HEAD_OR_EXPORT: a speculators-format folder (used as it is), or anything eagle-export takes as
 # draft.path (exported to format=speculators first). TARGET=... (default smollm2-135m-instruct) is
@@ -12,7 +12,7 @@
 # logits on a few MT-bench first turns, `SpeculatorModel.from_pretrained(EXPORT)` recomputes them.
 # Prints one PASS/FAIL line; exits non-zero on failure.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/engine_venv.sh
 
 HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
@@ -25,7 +25,7 @@ OURS=.venv/bin
 [ -e "$HEAD" ] || fail "$HEAD does not exist"
 mkdir -p "$WORK"
 
-VENV=$(engine_venv speculators-0.9.0 "speculators==0.9.0" "torchvision torchaudio") || exit 1
+VENV=$(speculators_venv) || exit 1
 
 if "$OURS/python" -c 'import json,sys; sys.exit(0 if "speculators_model_type" in json.load(open(sys.argv[1])) else 1)' \
     "$HEAD/config.json" 2>/dev/null; then
@@ -39,11 +39,11 @@ else
 fi
 
 echo "== reference: eagle's logits on $PROMPTS MT-bench prompts"
-timeout "$STEP_TIMEOUT" "$OURS/python" scripts/check_speculators.py reference --export "$EXPORT" \
+timeout "$STEP_TIMEOUT" "$OURS/python" tests/engines/check_speculators.py reference --export "$EXPORT" \
   --target "$TARGET" --prompts "$PROMPTS" --out "$WORK/reference.safetensors" || fail "reference logits (our .venv)"
 
 echo "== speculators: SpeculatorModel.from_pretrained($EXPORT), offline"
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout "$STEP_TIMEOUT" "$VENV/bin/python" scripts/check_speculators.py \
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout "$STEP_TIMEOUT" "$VENV/bin/python" tests/engines/check_speculators.py \
   compare --export "$EXPORT" --ref "$WORK/reference.safetensors" 2>"$WORK/compare.log" | tee "$WORK/result.txt"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ] && ! grep -q '^FAIL' "$WORK/result.txt"; then

@@ -1,7 +1,7 @@
 """Is `target.cpu_gemm=transposed` worth it on this machine? Float32 linears of a few rows, and whole
 target forwards of 1-32 new tokens after a 256-token context, with torch's kernel and with W @ x^T.
 
-    python scripts/bench_gemm.py [--target smollm2-135m-instruct] [--rows 1 2 4 8 16 32] [--threads N]
+    python -m benchmarks gemm [--target smollm2-135m-instruct] [--rows 1 2 4 8 16 32] [--threads N]
 
 Prints, per row count: ms for each distinct linear shape of the target (each kernel), and ms for a
 target forward (KV cache of 256 tokens, the decoder's own `target_forward`, causal chain), with the

@@ -1,4 +1,4 @@
-"""The python halves of scripts/check_speculators.sh (opt-in: the speculators library lives in its own venv).
+"""The python halves of tests/engines/check_speculators.sh (opt-in: the speculators library lives in its own venv).
 
     reference  (our .venv)         the target's EAGLE-3 features for a few MT-bench first turns, and our
                                    head's logits on them at unroll steps 0 and 1 (eagle's own loader, on

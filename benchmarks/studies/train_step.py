@@ -1,6 +1,6 @@
 """Time the recipe's training step (loss forward + backward + AdamW) on real captured batches.
 
-    python scripts/bench_train_step.py --capture outputs/study/capture [--batches 8] [--ttt 5]
+    python -m benchmarks train_step --capture outputs/study/capture [--batches 8] [--ttt 5]
         [--recipe smollm2-135m-instruct] [override ...]
 
 Batches are pairs of conversations of neighbouring lengths (as `train.group_by_length` makes them),
@@ -13,7 +13,7 @@ It calls only interfaces that older commits have too (`compose`, `load_target`, 
 
     git worktree add /tmp/prev <commit>
     for tree in /tmp/prev $PWD /tmp/prev $PWD; do
-        PYTHONPATH=$tree python scripts/bench_train_step.py --capture outputs/study/capture; done
+        PYTHONPATH=$tree python -m benchmarks train_step --capture outputs/study/capture; done
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Does the capture's storage dtype cost held-out accuracy? float16 vs bfloat16 features, same
 conversations, same training run otherwise.
 
-    python scripts/bench_capture_dtype.py --capture outputs/study/capture-float32 --steps 800 \
+    python -m benchmarks capture_dtype --capture outputs/study/capture-float32 --steps 800 \
         [--dtypes float16,bfloat16] [--seeds 0] [--json OUT] [--workdir DIR] [override ...]
 
 `--capture` is a float32 capture (`eagle-capture ... capture.dtype=float32`). Each storage dtype gets a

@@ -1,6 +1,6 @@
 """Approximate acceptance, measured: what each decode.acceptance rule buys in speed and costs in fidelity.
 
-    python scripts/bench_acceptance.py [HEAD_DIR] [--prompts 10] [--max-new-tokens 256] [--threads N]
+    python -m benchmarks acceptance [HEAD_DIR] [--prompts 10] [--max-new-tokens 256] [--threads N]
         [--rules exact typical lenient] [--sets mt_bench humaneval] [--json OUT] [--output-dir DIR]
         [override ...]
 
@@ -111,7 +111,7 @@ def _load(path: Path | None, settings: dict) -> dict[str, dict]:
     data = json.loads(path.read_text())
     if data.get("settings") != settings:
         raise SystemExit(
-            f"bench_acceptance: {path} holds rows measured with other settings ({data.get('settings')}); "
+            f"benchmarks acceptance: {path} holds rows measured with other settings ({data.get('settings')}); "
             "give another --json file or delete it"
         )
     return {_key(r): r for r in data.get("rows", [])}
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
     parser.add_argument("--sets", nargs="+", choices=tuple(TEMPERATURES), default=list(TEMPERATURES))
     parser.add_argument("--json", type=Path, default=None, help="rows to write, and to resume from")
-    parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "bench_acceptance")
+    parser.add_argument("--output-dir", type=Path, default=REPO / "outputs" / "benchmarks" / "acceptance")
     args = parser.parse_intermixed_args(argv)
     if args.head and "=" in args.head:  # an override, not a head folder
         args.overrides.insert(0, args.head)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     report = evaluate(compose(overrides))
                 except EagleError as e:
-                    print(f"bench_acceptance: error: {e}", file=sys.stderr)
+                    print(f"benchmarks acceptance: error: {e}", file=sys.stderr)
                     return 2
                 row, target = _rows_for(report, prompt_set, temperature, out)
                 rows[_key(row)] = row

@@ -1,4 +1,4 @@
-"""The python halves of scripts/check_vllm.sh (opt-in: vLLM lives in its own venv).
+"""The python halves of tests/engines/check_vllm.sh (opt-in: vLLM lives in its own venv).
 
     prepare  (our .venv)    the target's local folder, a vLLM-loadable head folder (exported with
                             format=vllm unless it already is a vllm / speculators export), and the

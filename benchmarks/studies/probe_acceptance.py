@@ -19,7 +19,7 @@ draft vocabulary contains (a token outside it can never be drafted). The accurac
 right when the head's top-1 is the target's top-1 over the full vocabulary (no draft-vocabulary
 renormalisation), i.e. what greedy decoding accepts.
 
-    python scripts/probe_acceptance.py --draft DIR --capture DIR [--n 20] [--new-tokens 128]
+    python -m benchmarks probe_acceptance --draft DIR --capture DIR [--n 20] [--new-tokens 128]
         [--sets train,heldout,fresh,mt_bench,humaneval] [--json OUT.json] [override ...]
 
 Overrides are Hydra overrides for the target and data (default: recipe=smollm2-135m-instruct

@@ -3,7 +3,7 @@
 # head with `--spec-type draft-eagle3` (a DFlash head: `draft-dflash`, its whole block a pass), losslessly,
 # accepting what our own decoder predicts.
 #
-#   scripts/check_llamacpp.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
+#   tests/engines/check_llamacpp.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
 #
 # HEAD_OR_EXPORT: anything eagle-export takes as draft.path; exported with format=llamacpp first (so a head
 # llama.cpp cannot express, e.g. EAGLE-3.1's per-layer fc_norm or norm_output, stops here with the reason).
@@ -24,7 +24,7 @@
 #   CHECK_DIR=outputs/integration/llamacpp
 # Prints the tables and one PASS/FAIL line (also in $CHECK_DIR/result.txt); exits non-zero on failure.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/engine_venv.sh
 source scripts/engine_llamacpp.sh
 
@@ -65,7 +65,7 @@ timeout "$STEP_TIMEOUT" "$OURS/eagle-export" "target.path=$TARGET" "draft.path=$
   || { tail -n 5 "$WORK/export.log"; fail "eagle-export format=llamacpp of $HEAD refused or failed (log: $WORK/export.log)"; }
 
 echo "== prepare: target GGUF and HF folder, $PROMPTS MT-bench prompts"
-timeout "$STEP_TIMEOUT" "$OURS/python" scripts/check_llamacpp.py prepare --target "$TARGET" --prompts "$PROMPTS" \
+timeout "$STEP_TIMEOUT" "$OURS/python" tests/engines/check_llamacpp.py prepare --target "$TARGET" --prompts "$PROMPTS" \
   --head "$WORK/export" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
 read -r GGUF HF_DIR SPEC_TYPE BLOCK < <("$OURS/python" -c 'import json,sys; p=json.load(open(sys.argv[1]))
 print(p["gguf"], p["hf_dir"], p["spec_type"], p["block_drafts"] or 0)' "$WORK/prepared.json")
@@ -90,7 +90,7 @@ timeout "$STEP_TIMEOUT" "$OURS/eagle-eval" "target.path=$TARGET" "draft.path=$HE
   "output_dir=$WORK/ours" > "$WORK/ours.log" 2>&1 || { tail -n 15 "$WORK/ours.log"; fail "eagle-eval (our prediction) failed"; }
 
 echo "== llama-server $THREADS thread(s): without the head, with it for n in $NS, without it again"
-timeout "$STEP_TIMEOUT" "$OURS/python" scripts/check_llamacpp.py run --prepared "$WORK/prepared.json" --server "$SERVER" \
+timeout "$STEP_TIMEOUT" "$OURS/python" tests/engines/check_llamacpp.py run --prepared "$WORK/prepared.json" --server "$SERVER" \
   --head-gguf "$HEAD_GGUF" --ns "$NS" --threads "$THREADS" --max-new-tokens "$NEW_TOKENS" --work "$WORK" \
   --out "$WORK/runs.json" || fail "llama-server runs failed (logs in $WORK)"
 
@@ -98,11 +98,11 @@ VERIFY_ARGS=()
 if [ "$VERIFY" = 1 ]; then
   echo "== llama-bench: verify cost of 1, 2, 4, 8 tokens at depth $DEPTH, threads $VERIFY_THREADS"
   BENCH=$(llamacpp_tool llama-bench) || fail "no llama-bench (see the FAIL line above; CHECK_VERIFY=0 skips the table)"
-  timeout "$STEP_TIMEOUT" "$OURS/python" scripts/check_llamacpp.py verify --bench "$BENCH" --gguf "$GGUF" \
+  timeout "$STEP_TIMEOUT" "$OURS/python" tests/engines/check_llamacpp.py verify --bench "$BENCH" --gguf "$GGUF" \
     --threads "$VERIFY_THREADS" --depth "$DEPTH" --out "$WORK/verify.json" || fail "llama-bench failed"
   VERIFY_ARGS=(--verify "$WORK/verify.json")
 fi
 
-"$OURS/python" scripts/check_llamacpp.py report --prepared "$WORK/prepared.json" --runs "$WORK/runs.json" \
+"$OURS/python" tests/engines/check_llamacpp.py report --prepared "$WORK/prepared.json" --runs "$WORK/runs.json" \
   --ours "$WORK/ours/report.json" --head-gguf "$HEAD_GGUF" "${VERIFY_ARGS[@]}" | tee "$WORK/result.txt"
 exit "${PIPESTATUS[0]}"

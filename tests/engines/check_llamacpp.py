@@ -1,4 +1,4 @@
-"""The python half of scripts/check_llamacpp.sh (opt-in: llama.cpp is built outside .venv), run by .venv.
+"""The python half of tests/engines/check_llamacpp.sh (opt-in: llama.cpp is built outside .venv), run by .venv.
 
     prepare  the target's GGUF (llama-server's -m) and HF folder (the converter's --target-model-dir), and
              the held-out prompts (MT-bench first turns, chat template applied) as token ids

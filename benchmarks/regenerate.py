@@ -1,6 +1,6 @@
 """Self-distillation throughput: continuous batching vs padded-batch and one-at-a-time `generate`.
 
-    python scripts/bench_regenerate.py [--conversations 64] [--baseline-conversations 6] \
+    python -m benchmarks regenerate [--conversations 64] [--baseline-conversations 6] \
         [--slots 32 64] [--padded-batch 32] [eagle config overrides ...]
 
 In one process, same target, dtype and threads, over the same ShareGPT first turns (training data:

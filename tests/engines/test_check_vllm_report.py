@@ -1,4 +1,4 @@
-"""The report half of scripts/check_vllm.py (the engine halves need vLLM and run opt-in): it reads the
+"""The report half of tests/engines/check_vllm.py (the engine halves need vLLM and run opt-in): it reads the
 engines' results, so its verdicts (PASS / FAIL, the fastest k) are checked here on hand-made results."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _phase(tok_s: float, outputs: dict[str, list[int]], drafts: int = 0, per_pos: list[int] | None = None) -> dict:
@@ -54,7 +54,7 @@ def _report(tmp: Path, specs: list[dict], base_outputs: dict[str, list[int]]) ->
     return subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "check_vllm.py"),
+            str(REPO / "tests" / "engines" / "check_vllm.py"),
             "report",
             "--prepared",
             prepared,

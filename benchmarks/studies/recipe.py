@@ -1,9 +1,9 @@
 """Which training settings learn most in a fixed CPU budget: one run per variant, same capture,
 same wall-clock budget, held-out acc@k / tau_sim at the end. All in one process, one after another.
 
-    python scripts/bench_recipe.py --capture outputs/ref/capture --minutes 20 \
+    python -m benchmarks recipe --capture outputs/ref/capture --minutes 20 \
         [--variants old,recipe,lr-3e-4,...] [--eval-batches 24] [--workdir DIR] [--json OUT] [override ...]
-    python scripts/bench_recipe.py --capture outputs/ref/capture --steps 400 --seeds 0,1 \
+    python -m benchmarks recipe --capture outputs/ref/capture --steps 400 --seeds 0,1 \
         --variants recipe,eagle3.0 ...
 
 `--steps N` (accounting "steps") trains every variant for N steps instead of a wall-clock budget, each

