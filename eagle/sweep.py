@@ -481,7 +481,9 @@ class SweepCallback(Callback):
         params = OmegaConf.select(config, "hydra.sweeper.params", default=None)
         swept = OmegaConf.to_container(params, resolve=False) if params is not None else None
         os.environ[ENV_KEYS] = json.dumps(
-            swept_keys([str(t) for t in task], swept if isinstance(swept, dict) else None)
+            swept_keys(
+                [str(t) for t in task], {str(k): v for k, v in swept.items()} if isinstance(swept, dict) else None
+            )
         )
         os.environ[ENV_ID] = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 

@@ -267,6 +267,20 @@ def test_no_private_name_is_imported_from_another_module():
     assert offenders == []
 
 
+def test_tests_and_benchmarks_use_the_package_s_public_names():
+    """The package's import rule holds for its callers too: tests and benchmarks import no `_private` name
+    of `eagle` (what a test needs of a module is public, or tested through what is)."""
+    offenders = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eagle":
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                    if private:
+                        offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(private)}")
+    assert offenders == []
+
+
 def test_no_function_is_longer_than_80_lines():
     """A function of the package fits about one screen; a longer one is split into named phases."""
     long = []

@@ -444,18 +444,18 @@ def test_card_groups_rows_by_machine_with_shared_settings_above_each_table(run_d
 
 
 def test_card_row_names_the_head_dtype_where_it_differs_from_the_target():
-    from eagle.export.publish import _dtype_text
+    from eagle.export.publish import dtype_text
 
-    assert _dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "full"}) == "bfloat16"
+    assert dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "full"}) == "bfloat16"
     assert (
-        _dtype_text({"dtype": "float32", "draft_dtype": "bfloat16", "draft_weights": "int8"})
+        dtype_text({"dtype": "float32", "draft_dtype": "bfloat16", "draft_weights": "int8"})
         == "float32 (head bfloat16, int8)"
     )
     assert (
-        _dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "int8_weight_only"})
+        dtype_text({"dtype": "bfloat16", "draft_dtype": "bfloat16", "draft_weights": "int8_weight_only"})
         == "bfloat16 (head bfloat16, int8 weight only)"
     )
-    assert _dtype_text({"dtype": "float32"}) == "float32"  # reports from before the head had its own dtype
+    assert dtype_text({"dtype": "float32"}) == "float32"  # reports from before the head had its own dtype
 
 
 def _approximate_report(folder: Path, **fields) -> Path:

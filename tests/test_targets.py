@@ -125,13 +125,13 @@ def _legacy_conversion(tmp_path: Path) -> tuple[Path, Path]:
     `quantization_config` that other tools refuse)."""
     import json
 
-    from eagle.target.resolve import _cached_file_hash
+    from eagle.target.resolve import cached_file_hash
 
     gguf = tmp_path / "models" / "tiny.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF not really: never parsed, the cached conversion is reused")
     cache = tmp_path / "cache"
-    digest = _cached_file_hash(gguf, cache)
+    digest = cached_file_hash(gguf, cache)
     legacy = save_model("llama", cache / "gguf" / f"tiny-{digest[:16]}")
     config = json.loads((legacy / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gguf", "dequantize": False, "gguf_file": "tiny.gguf"}

@@ -94,9 +94,8 @@ def ttt_forward(
     prefix = ttt_chain_mask(attention_mask, 0).prefix  # [B, 1, T, T], the same at every step
     for i in range(steps):
         ids = shift_left(input_ids, i, pad_token_id)  # [B, T]
-        mask = UnrolledChainMask(prefix, depth=i)  # the keys of ttt_mask(attention_mask, i)
-        if dense_mask:
-            mask = mask.dense()  # [B, 1, T, (i+1)T]
+        chain = UnrolledChainMask(prefix, depth=i)  # the keys of ttt_mask(attention_mask, i)
+        mask = chain.dense() if dense_mask else chain  # dense: [B, 1, T, (i+1)T]
         hidden = head(ids, hidden, base_pos + i, attention_mask=mask, past_key_values=cache)  # [B, T, H]
         outs.append(hidden)
     return outs

@@ -83,7 +83,7 @@ def _fmt(x: Any, digits: int = 2, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
-def _dtype_text(settings: dict[str, Any]) -> str:
+def dtype_text(settings: dict[str, Any]) -> str:
     """'bfloat16', or 'float32 (head bfloat16, int8)' when the head computed otherwise than the target."""
     dtype = str(settings.get("dtype") or "n/a")
     head = settings.get("draft_dtype") or dtype
@@ -123,11 +123,11 @@ def decoder_settings(report: dict[str, Any]) -> dict[str, str]:
     """What a report's figures depend on besides the machine and the prompts, name -> text, in card order.
     A card prints the settings every row of a machine shares once above its table, the others in the rows."""
     s = report.get("settings") or {}
-    hw = s.get("hardware") if isinstance(s.get("hardware"), dict) else {}
+    hw: dict[str, Any] = s["hardware"] if isinstance(s.get("hardware"), dict) else {}
     out = {
         "acceptance": acceptance_label(report.get("acceptance_settings") or report.get("acceptance"))
         or "exact (lossless)",
-        "dtype": _dtype_text(s) if s.get("dtype") else "n/a",  # the target's (every method alike), and the head's
+        "dtype": dtype_text(s) if s.get("dtype") else "n/a",  # the target's (every method alike), and the head's
         "cpu_gemm": _fmt(s.get("cpu_gemm")),
         **{k: _fmt(s.get(k)) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "turns")},
     }

@@ -314,6 +314,7 @@ class ServerBackend:
                 top_k=cfg.top_k,
                 seed=request_seed(cfg.seed, job.id, job.answered),
             )
+            assert server.pool is not None  # started with the backend
             future = server.pool.submit(self._ask, server, server.engine.body(self.model, req), cfg.request_timeout)
             inflight[future] = (job, ids, server)
             server.busy += 1
@@ -360,7 +361,8 @@ class ServerBackend:
                 del inflight[future]
                 server.busy -= 1
                 ready.appendleft((job, ids))
-        server.pool.shutdown(wait=False, cancel_futures=True)
+        if server.pool is not None:
+            server.pool.shutdown(wait=False, cancel_futures=True)
         alive = [s.url for s in self.servers if s.gone is None]
         if alive:
             tqdm.write(

@@ -26,7 +26,7 @@ def default_cache_dir(cfg: TargetConfig | None = None) -> Path:
     return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle")).expanduser()
 
 
-def _cached_file_hash(path: Path, cache_dir: Path) -> str:
+def cached_file_hash(path: Path, cache_dir: Path) -> str:
     """sha256 of a large file, remembered by (path, size, mtime) so it is computed once."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
@@ -67,7 +67,7 @@ def _plain_checkpoint_config(folder: Path) -> None:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a GGUF file to a cached plain HF checkpoint folder once; return the folder."""
-    digest = _cached_file_hash(gguf, cache_dir)
+    digest = cached_file_hash(gguf, cache_dir)
     out = cache_dir / "gguf" / f"{gguf.stem}-{digest[:16]}-v{GGUF_CONVERSION_VERSION}"
     if (out / "config.json").is_file() and (out / ".complete").is_file():
         return out
@@ -121,7 +121,7 @@ def resolve_target_path(cfg: TargetConfig) -> tuple[str, str]:
         if not path.is_file():
             raise TargetError(f"target.path={cfg.path!r}: GGUF file {path} does not exist")
         folder = convert_gguf(path, default_cache_dir(cfg))
-        return str(folder), "gguf-sha256:" + _cached_file_hash(path, default_cache_dir(cfg))
+        return str(folder), "gguf-sha256:" + cached_file_hash(path, default_cache_dir(cfg))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TargetError(f"target.path={cfg.path!r}: folder {path} has no config.json (not an HF checkpoint)")

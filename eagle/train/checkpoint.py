@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from eagle.artifacts import (
 from eagle.artifacts import checkpoint_step as _step_of
 from eagle.errors import CheckpointError
 from eagle.fileio import atomic_dir, atomic_write_text, publish_dir
+from eagle.heads.base import DraftHead
 
 FORMAT_VERSION = 1
 
@@ -79,7 +80,7 @@ class TrainState:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors / tuples of ints (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))  # (name, keys, pos, has_gauss, gauss)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -150,7 +151,7 @@ def save_checkpoint(
     torch.save(rng if rng is not None else rng_state(), tmp / "rng" / f"rank-{rank:05d}.pt")
     barrier()
     if rank == 0:
-        save_head(head, tmp / "head", extra={"step": state.step, **(head_extra or {})})
+        save_head(cast(DraftHead, head), tmp / "head", extra={"step": state.step, **(head_extra or {})})
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
@@ -247,5 +248,5 @@ def save_best(output_dir: str | Path, head: torch.nn.Module, extra: dict[str, An
     """Replace `<output_dir>/best/` with `head` (rank 0 only); a crash leaves the old or the new one."""
     best = Path(output_dir) / BEST
     with atomic_dir(best) as tmp:
-        save_head(head, tmp, extra=extra)
+        save_head(cast(DraftHead, head), tmp, extra=extra)
     return best

@@ -108,10 +108,10 @@ class TrainStep(nn.Module):
         super().__init__()
         self.head = head
         self.algorithm = get_algorithm(head.config.algorithm)
-        self._borrowed: dict[str, Any] = {"lm_head": lm_head}  # frozen target module: not a parameter here
+        self._borrowed: dict[Any, Any] = {"lm_head": lm_head}  # frozen target module: not a parameter here
         self.settings = settings
 
-    def forward(self, batch: dict[str, Any], norms: torch.Tensor) -> LossParts:  # type: ignore[override]
+    def forward(self, batch: dict[str, Any], norms: torch.Tensor) -> LossParts:
         return self.algorithm.forward_loss(
             self.head, self._borrowed["lm_head"], batch, self.settings, norms, self._label_rows()
         )
@@ -132,15 +132,14 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
             raise ConfigError("train.mode=offline needs train.data_dir=CAPTURE_DIR (the output_dir of eagle-capture)")
         manifest = read_manifest(t.data_dir)
         check_compatible(manifest, info, cfg.draft.algorithm, aux or None, data_dir=t.data_dir)
-        train = OfflineSplit(t.data_dir, "train", seed=t.seed)
-        held = OfflineSplit(t.data_dir, "heldout", seed=t.seed)
-        return train, (held if len(held) else None)
+        offline, held = OfflineSplit(t.data_dir, "train", seed=t.seed), OfflineSplit(t.data_dir, "heldout", seed=t.seed)
+        return offline, (held if len(held) else None)
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
     layer_ids = get_algorithm(cfg.draft.algorithm).capture_layer_ids(aux)
-    train = OnlineSplit(splits.train, cfg.capture.shard_size, target, layer_ids)
-    held = OnlineSplit(splits.heldout, cfg.capture.shard_size, target, layer_ids) if splits.heldout else None
-    return train, held
+    online = OnlineSplit(splits.train, cfg.capture.shard_size, target, layer_ids)
+    online_held = OnlineSplit(splits.heldout, cfg.capture.shard_size, target, layer_ids) if splits.heldout else None
+    return online, online_held
 
 
 @dataclass
@@ -440,9 +439,9 @@ class TrainRecipe:
             elapsed = time.perf_counter() - self.window_t0 - (self.timer.total(_NOT_TRAINING) - self.window_busy0)
             metrics = total.summary(self.loss_weights, self.extra_weights)
             metrics.update(
-                lr=self.scheduler.get_last_lr()[0],
+                lr=float(self.scheduler.get_last_lr()[0]),
                 grad_norm=float(outcome.grad_norm),
-                tokens_per_s=total.tokens / max(elapsed, 1e-9),
+                tokens_per_s=float(total.tokens) / max(elapsed, 1e-9),
                 padding_share=total.padding_share,
                 epoch=float(self.stream.position.epoch),
             )
