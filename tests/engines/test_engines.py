@@ -35,13 +35,24 @@ def _shell(function: str, script: str, timeout: int) -> subprocess.CompletedProc
     )
 
 
-@pytest.fixture(scope="session", params=["vllm", "speculators"])
-def engine_venv(request) -> tuple[str, Path]:
-    """(engine, venv folder): the engine installed once into its own venv, next to torch==2.13.0."""
-    done = _shell(f"{request.param}_venv", "engine_venv.sh", timeout=3600)
+def _engine_venv(engine: str) -> Path:
+    """The engine installed once into its own venv, next to torch==2.13.0 (scripts/engine_venv.sh)."""
+    done = _shell(f"{engine}_venv", "engine_venv.sh", timeout=3600)
     if done.returncode != 0:
-        pytest.fail(f"{request.param}'s venv could not be set up:\n{done.stdout}{done.stderr[-2000:]}")
-    return request.param, Path(done.stdout.strip().splitlines()[-1])
+        pytest.fail(f"{engine}'s venv could not be set up:\n{done.stdout}{done.stderr[-2000:]}")
+    venv = Path(done.stdout.strip().splitlines()[-1])
+    assert (venv / "bin" / "python").is_file()
+    return venv
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    return _engine_venv("vllm")
+
+
+@pytest.fixture(scope="session")
+def speculators_venv() -> Path:
+    return _engine_venv("speculators")
 
 
 @pytest.fixture(scope="session")
@@ -75,20 +86,16 @@ def _check(script: str, timeout: int, **env: str) -> str:
     return done.stdout
 
 
-def test_the_engine_serves_or_loads_the_export(engine_venv):
-    engine, venv = engine_venv
-    assert (venv / "bin" / "python").is_file()
-    if engine == "vllm":
-        _check("check_vllm.sh", timeout=3600, CHECK_K="1")
-    else:
-        _check("check_speculators.sh", timeout=1800)
+def test_vllm_serves_the_head_with_the_same_greedy_output(vllm_venv):
+    _check("check_vllm.sh", timeout=3600, CHECK_K="1")
 
 
-def test_vllm_captures_what_transformers_captures(engine_venv):
-    engine, _ = engine_venv
-    if engine != "vllm":
-        pytest.skip("a vLLM check")
+def test_vllm_captures_what_transformers_captures(vllm_venv):
     _check("check_vllm_capture.sh", timeout=3600, CHECK_STOCK="0", CHECK_CONVERSATIONS="8")
+
+
+def test_speculators_loads_the_export_and_computes_the_same_logits(speculators_venv):
+    _check("check_speculators.sh", timeout=1800)
 
 
 def test_llamacpp_serves_the_head_with_the_same_greedy_output(llama_server):
