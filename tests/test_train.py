@@ -751,3 +751,13 @@ def test_sequences_longer_than_train_max_length_are_named(capsys):
     warn_cut_sequences([4096], 768, rank=1)  # said once, by rank 0
     warn_cut_sequences([300, 700], 768)
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_stopped_by_a_signal_says_it_was_not_evaluated_not_that_there_is_no_held_out_split():
+    from eagle.train.trainer import TrainResult, format_result
+
+    def result(stopped):
+        return TrainResult(Path("out"), 238, stopped, None, None, None, None)
+
+    assert "not evaluated (stopped by a signal); the same command resumes" in format_result(result("signal"))
+    assert "no held-out split" in format_result(result("max_steps"))

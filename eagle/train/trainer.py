@@ -614,6 +614,10 @@ def format_result(result: TrainResult) -> str:
                 lines.append(
                     f"{label}: loss={metrics['loss']:.4f} " + " ".join(accs) + f" tau_sim={metrics['tau_sim']:.3f}"
                 )
+    elif result.stopped == "signal":  # the final evaluation is skipped so that a stop is quick
+        lines.append(
+            "held-out: not evaluated (stopped by a signal); the same command resumes, and evaluates at its end"
+        )
     else:
         lines.append("held-out: no held-out split (data.heldout_fraction=0 or none captured); best/ = final weights")
     if result.best_dir is not None:
