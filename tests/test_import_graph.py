@@ -254,31 +254,30 @@ def test_startup_imports_keep_their_module_free_of_torch():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_no_private_name_is_imported_from_another_module():
-    """A name starting with one underscore is its module's own: another module that needs it gets a public
-    name (renaming on import, `DTYPES as _DTYPES`, is the importer's business and allowed)."""
+def _private_eagle_imports(folder: Path) -> list[str]:
+    """'file:line names' for each `from eagle... import _name` under `folder`."""
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eagle":
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 if private:
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(private)}")
-    assert offenders == []
+    return offenders
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name starting with one underscore is its module's own: another module that needs it gets a public
+    name (renaming on import, `DTYPES as _DTYPES`, is the importer's business and allowed)."""
+    assert _private_eagle_imports(PACKAGE) == []
 
 
 def test_tests_and_benchmarks_use_the_package_s_public_names():
     """The package's import rule holds for its callers too: tests and benchmarks import no `_private` name
     of `eagle` (what a test needs of a module is public, or tested through what is)."""
-    offenders = []
-    for folder in ("tests", "benchmarks"):
-        for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eagle":
-                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-                    if private:
-                        offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {', '.join(private)}")
-    assert offenders == []
+    assert (
+        _private_eagle_imports(PACKAGE.parent / "tests") + _private_eagle_imports(PACKAGE.parent / "benchmarks") == []
+    )
 
 
 def test_no_function_is_longer_than_80_lines():

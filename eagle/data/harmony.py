@@ -30,7 +30,7 @@ import json
 from typing import Any
 
 from eagle.data.records import Conversation
-from eagle.data.template import TemplateFailure, TokenizedConversation
+from eagle.data.template import TemplateFailure, TokenizedConversation, fit_to_length
 from eagle.errors import DataError, TargetError
 
 # gpt-oss's special tokens at their o200k_harmony ids: a tokenizer with all of them is gpt-oss's.
@@ -189,14 +189,7 @@ def tokenize_harmony(
         ids, mask = renderer.tokenize(conv.messages, train_on_reasoning)
     except TemplateFailure:
         return None, "template_error"
-    truncated = len(ids) > max_length
-    if truncated:
-        if overflow == "drop":
-            return None, "too_long"
-        ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
-        return None, "empty_loss_mask"
-    return TokenizedConversation(conv.id, ids, mask, truncated), None
+    return fit_to_length(TokenizedConversation(conv.id, ids, mask, False), max_length, overflow)
 
 
 def renderer_for(choice: str, tokenizer: Any) -> HarmonyRenderer | None:

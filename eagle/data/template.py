@@ -45,7 +45,7 @@ the target sampled it), so the ids win: they replace the tokens of the answer's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from eagle.data.records import Conversation
@@ -435,14 +435,23 @@ def tokenize_with_reason(
         if piece is text or len(ids) > limit:
             break
         n_chars *= 2
-    truncated = len(ids) > max_length
-    if truncated:
+    return fit_to_length(
+        TokenizedConversation(conv.id, ids, mask, False, fallbacks, spliced, unusable + refused), max_length, overflow
+    )
+
+
+def fit_to_length(
+    tc: TokenizedConversation, max_length: int, overflow: str
+) -> tuple[TokenizedConversation | None, str | None]:
+    """A rendered conversation cut to `max_length` (overflow=truncate) or dropped ('too_long', overflow=drop);
+    dropped as 'empty_loss_mask' when no assistant token is left. Shared by every renderer."""
+    if len(tc.input_ids) > max_length:
         if overflow == "drop":
             return None, "too_long"
-        ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
+        tc = replace(tc, input_ids=tc.input_ids[:max_length], loss_mask=tc.loss_mask[:max_length], truncated=True)
+    if not any(tc.loss_mask):
         return None, "empty_loss_mask"
-    return TokenizedConversation(conv.id, ids, mask, truncated, fallbacks, spliced, unusable + refused), None
+    return tc, None
 
 
 def tokenize_conversation(
