@@ -34,10 +34,10 @@ from eagle.export.formats import (
 from eagle.export.llamacpp import llamacpp_guide, local_target, portable_target
 from eagle.heads.base import HeadConfig
 
-if TYPE_CHECKING:  # annotations only: validate imports this module
+if TYPE_CHECKING:
     from pathlib import Path
 
-    from eagle.export.validate import ExportedHead
+    from eagle.export.exported import ExportedHead
 
 
 class ExportFormat:

@@ -10,7 +10,6 @@ Every failure is an `ExportError` naming the folder, file, tensor or field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eagle.errors import ExportError
+from eagle.export.exported import ExportedHead
 from eagle.export.formats import (
     CONFIG_FILE,
     EXPORT_META_KEY,
@@ -38,19 +38,6 @@ from eagle.target.precision import DTYPES as _DTYPES
 
 # Tensors a third-party folder may carry that our heads take from the target instead.
 _BORROWED = ("embed_tokens.weight", "lm_head.weight")
-
-
-@dataclass
-class ExportedHead:
-    """A head folder in canonical form."""
-
-    folder: Path
-    format: str  # vllm | sglang | speculators | hf | llamacpp | third-party
-    config: HeadConfig
-    tensors: dict[str, torch.Tensor]  # our parameter names
-    borrowed: dict[str, torch.Tensor] = field(default_factory=dict)  # stored target-owned tensors
-    raw_config: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
 
 
 def read_json(path: Path) -> dict[str, Any]:
