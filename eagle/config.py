@@ -341,8 +341,14 @@ class ExportConfig:
     verifier: str | None = None
     # The chain length an engine should draft with this head (vLLM's `num_speculative_tokens`): written to
     # a speculators config (`speculative_tokens`) and to the model card's serving command. Measure it for a
-    # head with `CHECK_K="1 2 3" tests/engines/check_vllm.sh HEAD` (the fastest k). null: decode.tree_depth.
+    # head with `CHECK_K="1 2 3" tests/engines/check_vllm.sh HEAD` (the fastest k). null: the head algorithm's
+    # entry in speculative_tokens_by_algorithm, else decode.tree_depth. A block drafter (DFlash, P-EAGLE)
+    # drafts its whole block a pass, so for its heads this may only be null or that block.
     speculative_tokens: int | None = None
+    # The same, measured per head algorithm (draft.algorithm names: eagle3, eagle1, ...), keyed by the
+    # algorithm of the head being exported: where a recipe records what it measured for one algorithm, so
+    # that `recipe=R draft=dflash` exports still get their own block (eagle.export.exporter.served_chain_length).
+    speculative_tokens_by_algorithm: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -612,6 +618,8 @@ def _check_eval_export(cfg: RootConfig) -> None:
         _positive("eval.tree_sweep", size)
     _choice("export.dtype", cfg.export.dtype, _DTYPE_NAMES)
     _positive("export.speculative_tokens", cfg.export.speculative_tokens)
+    for name, tokens in cfg.export.speculative_tokens_by_algorithm.items():
+        _positive(f"export.speculative_tokens_by_algorithm.{name}", tokens)
     _choice("logger.name", cfg.logger.name, ("console", "wandb"))
 
 

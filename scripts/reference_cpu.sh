@@ -115,7 +115,7 @@ stage train eagle-train "${R[@]}" train.data_dir="$WORK/capture" train.max_steps
   ${MAX_MINUTES:+train.max_minutes=$MAX_MINUTES} ${INIT_FROM:+train.init_from=$INIT_FROM} ${TRAIN_ARGS:-} output_dir="$WORK/train"
 stage eval evaluate
 stage export export_head
-# The check serves the head at k = 1, 2 and 3 and prints the fastest (the recipe's export.speculative_tokens
-# is what the card advertises: set it to that k).
+# The check serves the head at k = 1, 2 and 3 and prints the fastest (the recipe's
+# export.speculative_tokens_by_algorithm.eagle3 is what the card advertises: set it to that k).
 stage check env CHECK_K="${CHECK_K:-1 2 3}" bash tests/engines/check_vllm.sh "$HEAD"
 echo "reference head: $HEAD (stage times in $WORK/stages.tsv)"

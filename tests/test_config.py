@@ -48,7 +48,7 @@ def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
 def _composed_value(cfg: RootConfig, dotted: str) -> object:
     value: object = cfg
     for part in dotted.split("."):
-        value = getattr(value, part)
+        value = value[part] if isinstance(value, dict) else getattr(value, part)  # a typed dict's keys
     return value
 
 

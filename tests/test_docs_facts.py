@@ -56,6 +56,8 @@ def _same(value: Any, text: str) -> bool:
             return False
     if isinstance(value, list):
         return text == "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, dict):  # as YAML's flow style writes it: `{eagle3: 1}`
+        return text == "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     if value is None:
         return text.lower() in ("null", "none")
     return str(value) == text

@@ -34,6 +34,13 @@ def get_algorithm(name: str) -> Algorithm:
 def check_config(cfg: RootConfig) -> RootConfig:
     """Refuse, at start, a run whose settings the chosen algorithm cannot honour (naming the key)."""
     get_algorithm(cfg.draft.algorithm).check_config(cfg)
+    # Keyed by the exported head's algorithm, not draft.algorithm: a misspelt key would never match one.
+    unknown = sorted(set(cfg.export.speculative_tokens_by_algorithm) - set(ALGORITHMS))
+    if unknown:
+        raise ConfigError(
+            f"export.speculative_tokens_by_algorithm: {', '.join(unknown)} is not an algorithm "
+            f"(one of {', '.join(ALGORITHMS)})"
+        )
     return cfg
 
 

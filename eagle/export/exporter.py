@@ -313,18 +313,30 @@ def trained_target_path(train_dir: Path | None) -> str | None:
 
 
 def served_chain_length(cfg: Any, head: HeadConfig) -> int:
-    """The `num_speculative_tokens` an export advertises: a block drafter's block (the engines draft all of
-    it in one pass), else `export.speculative_tokens`, else the decoder's tree depth (what eagle's own
-    decoder drafts at most)."""
+    """The `num_speculative_tokens` an export advertises for `head`.
+
+    A block drafter's block (the engines draft all of it in one pass); otherwise `export.speculative_tokens`
+    (the user's, for any head), else the entry of `export.speculative_tokens_by_algorithm` for the head's
+    own algorithm (a recipe's measured value, which therefore never reaches a head of another algorithm),
+    else the decoder's tree depth (what eagle's own decoder drafts at most). The head's algorithm, not
+    `draft.algorithm`: the README's export command names no algorithm, the head folder does.
+    """
+    export = cfg.export
+    measured = export.speculative_tokens_by_algorithm.get(head.algorithm)
     block = get_algorithm(head.algorithm).block_drafts(head)
-    if block is not None:
-        if cfg.export.speculative_tokens not in (None, block):
+    if block is None:
+        return export.speculative_tokens or measured or cfg.decode.tree_depth
+    for key, value in (
+        ("export.speculative_tokens", export.speculative_tokens),
+        (f"export.speculative_tokens_by_algorithm.{head.algorithm}", measured),
+    ):
+        if value not in (None, block):
             raise ExportError(
-                f"export.speculative_tokens={cfg.export.speculative_tokens}: a {head.algorithm} head "
-                f"drafts {block} tokens a pass, which is what an engine must be given; drop the option"
+                f"{key}={value}: a {head.algorithm} head drafts {block} tokens a pass, which is what an "
+                "engine must be given; drop the option (a value measured for one algorithm belongs in "
+                "export.speculative_tokens_by_algorithm.NAME)"
             )
-        return block
-    return cfg.export.speculative_tokens or cfg.decode.tree_depth
+    return block
 
 
 def run_export(cfg: Any) -> ExportedHead:
