@@ -34,7 +34,7 @@ import torch
 
 from eagle.cli.app import compose
 from eagle.decode.cache import crop_cache
-from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.decode.target import new_cache, target_forward, verify_plan
 from eagle.decode.tree import tree_mask
 from eagle.errors import EagleError
 from eagle.evaluate import evaluate
@@ -220,8 +220,8 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
     n = max(2, round(r.get("mean_tree_size") or 16) + 1)
     ctx, gen = 256, torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (ctx + n,), generator=gen)
-    cache, windows = new_cache(), layer_windows(target.config)
-    target_forward(target, ids[:ctx], torch.arange(ctx), cache, windows=windows, last_logits_only=True)
+    cache, plan = new_cache(target.config), verify_plan(target.config)
+    target_forward(target, ids[:ctx], torch.arange(ctx), cache, plan=plan, last_logits_only=True)
     parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
     parents[n // 2 + 1 :] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree
 
@@ -247,7 +247,7 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
             cache,
             mask,
             feature_layer_ids=list(head.feature_layer_ids()),
-            windows=windows,
+            plan=plan,
         )
         crop_cache(cache, ctx)
 

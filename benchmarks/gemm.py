@@ -19,7 +19,7 @@ from torch import nn
 
 from eagle.cli.app import compose
 from eagle.decode.cache import crop_cache
-from eagle.decode.target import layer_windows, new_cache, target_forward
+from eagle.decode.target import new_cache, target_forward, verify_plan
 from eagle.evaluate.report import hardware_info
 from eagle.target.cpu_gemm import apply_cpu_gemm, median_ms, transposed_linear
 from eagle.target.loading import load_target
@@ -58,10 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{str([out_f, in_f]):<16}" + "".join(f"{c:>16}" for c in cells))
 
     ids = torch.randint(0, model.config.vocab_size, (args.context + max(args.rows),), generator=gen)
-    cache, windows = new_cache(), layer_windows(model.config)
-    target_forward(
-        model, ids[: args.context], torch.arange(args.context), cache, windows=windows, last_logits_only=True
-    )
+    cache, plan = new_cache(model.config), verify_plan(model.config)
+    target_forward(model, ids[: args.context], torch.arange(args.context), cache, plan=plan, last_logits_only=True)
 
     def forward(rows: int) -> None:
         target_forward(
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             ids[args.context : args.context + rows],
             torch.arange(args.context, args.context + rows),
             cache,
-            windows=windows,
+            plan=plan,
         )
         crop_cache(cache, args.context)
 

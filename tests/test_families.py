@@ -20,7 +20,7 @@ from eagle.capture.features import extract_features
 from eagle.cli.app import compose
 from eagle.config import TargetConfig
 from eagle.decode import SpeculativeGenerator, autoregressive_generate
-from eagle.decode.cache import RecurrentSnapshot
+from eagle.decode.cache import StateSnapshot
 from eagle.decode.target import new_cache, target_forward
 from eagle.errors import EagleError, TargetError
 from eagle.evaluate import evaluate
@@ -74,7 +74,7 @@ def test_hybrid_targets_verify_chains_and_replay_partial_acceptances(family):
     assert res.tokens == ref
     # The oracle misses some positions (partial acceptances: replayed) and drafts long runs (full ones: not).
     assert 0 < res.replays < len(res.accept_lengths)
-    with pytest.raises(EagleError, match="recurrent"):
+    with pytest.raises(EagleError, match="state that follows the sequence"):
         SpeculativeGenerator(model, random_head(model, "eagle3"), tok, decode_cfg(tree="static", static_paths=[[0]]))
 
 
@@ -83,15 +83,16 @@ def test_a_restored_snapshot_puts_the_recurrent_state_back():
     ids = torch.tensor(prompt_ids(tok, PROMPT))
     cache = new_cache(model.config)
     target_forward(model, ids, torch.arange(ids.numel()), cache)
-    before = RecurrentSnapshot.take(cache)
+    before = StateSnapshot.take(cache)
     n = ids.numel()
     target_forward(model, ids[:3], torch.arange(n, n + 3), cache)
-    layer, conv, rec = before.states[0]
-    assert not torch.equal(layer.recurrent_states[0], rec[0])
+    first = before.copies[0]
+    assert not torch.equal(first.layer.recurrent_states[0], first.recurrent[0])
     before.restore()
-    for layer, conv, rec in before.states:
-        assert torch.equal(layer.conv_states[0], conv[0]) and torch.equal(layer.recurrent_states[0], rec[0])
-    with pytest.raises(TargetError, match="chain"):  # a tree cannot be verified through recurrent layers
+    for copy in before.copies:
+        assert torch.equal(copy.layer.conv_states[0], copy.conv[0])
+        assert torch.equal(copy.layer.recurrent_states[0], copy.recurrent[0])
+    with pytest.raises(TargetError, match="state that follows the sequence.*chain"):  # a tree cannot be verified through recurrent layers
         target_forward(
             model,
             ids[:3],

@@ -27,7 +27,7 @@ import torch
 
 from eagle.decode.cache import crop_cache
 from eagle.decode.lookup import LookupStats
-from eagle.decode.target import new_cache, target_forward
+from eagle.decode.target import VerifyPlan, new_cache, target_forward
 
 # Bound on how much the depth decision may trust the head beyond its own probabilities (the depth is
 # bounded by decode.tree_depth anyway; this keeps one lucky stretch from pinning it there).
@@ -148,26 +148,26 @@ def time_verify_passes(
     target: Any,
     sizes: list[int],
     context_len: int,
-    windows: dict[str, int | None] | None,
+    plan: VerifyPlan,
     device: torch.device,
     reps: int = 5,
-    chain: bool = False,
 ) -> dict[int, float]:
     """Seconds of one verify pass (root + s nodes after `context_len` cached tokens) per size.
 
     Sizes are timed in interleaved rounds (a burst of interference hits every size alike instead of
     a few neighbours), each keeps its fastest run (the least disturbed), and the result is made
-    non-decreasing in s (`monotone_envelope`). `chain`: time chains of s nodes instead of flat trees (a
-    hybrid target verifies chains; its recurrent state is not rolled back here, the cache is thrown away)."""
+    non-decreasing in s (`monotone_envelope`). A target that verifies chains (`plan.trees` false) times
+    chains of s nodes instead of flat trees (its state layers are not rolled back here: the cache is thrown
+    away)."""
     vocab = int(target.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     cache = new_cache(target.config)
     ctx = torch.randint(0, vocab, (context_len,), generator=gen).to(device)
-    target_forward(target, ctx, torch.arange(context_len, device=device), cache, windows=windows, last_logits_only=True)
+    target_forward(target, ctx, torch.arange(context_len, device=device), cache, plan=plan, last_logits_only=True)
     passes = {}
     for s in sorted(set(sizes)):
         toks = torch.randint(0, vocab, (s + 1,), generator=gen).to(device)
-        if chain:
+        if not plan.trees:
             pos = context_len + torch.arange(s + 1, device=device)
             mask = torch.ones(s + 1, s + 1, dtype=torch.bool, device=device).tril()
         else:
@@ -179,7 +179,7 @@ def time_verify_passes(
     for i in range(reps + 1):
         for s, (toks, pos, mask) in passes.items():
             t0 = time.perf_counter()
-            target_forward(target, toks, pos, cache, mask, windows=windows)
+            target_forward(target, toks, pos, cache, mask, plan=plan)
             if i:  # the first round warms up allocators and kernels
                 runs[s].append(time.perf_counter() - t0)
             crop_cache(cache, context_len)

@@ -39,7 +39,7 @@ from eagle.decode.autotree import (
     verify_time,
 )
 from eagle.decode.block import block_pool, sampled_chain
-from eagle.decode.cache import RecurrentSnapshot, crop_cache, keep_cache_entries
+from eagle.decode.cache import StateSnapshot, crop_cache, keep_cache_entries
 from eagle.decode.draft import (
     draft_pool,
     draft_sampled_chain,
@@ -48,13 +48,15 @@ from eagle.decode.draft import (
     uses_sampled_drafts,
 )
 from eagle.decode.lookup import LookupStats, NgramLookup, graft_chain
+from eagle.decode.multimodal import begin_prompt, decoding_target
 from eagle.decode.stopping import StopChecker, eos_ids
-from eagle.decode.target import layer_windows, new_cache, recurrent_layer_types, target_forward
+from eagle.decode.target import new_cache, target_forward, verify_plan
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
 from eagle.heads.layers import inference_copy
 from eagle.heads.quantize import int8_kind, quantize_head_int8
+from eagle.target.multimodal import VisionInputs
 from eagle.target.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
 
 log = logging.getLogger(__name__)
@@ -134,12 +136,12 @@ class SpeculativeGenerator:
         decode_cfg: DecodeConfig,
         device: torch.device | str | None = None,
     ) -> None:
-        self.target = target
+        self.target = decoding_target(target)  # a vision-language target: its prompt's images and M-RoPE rows
         self.tokenizer = tokenizer
         self.cfg = decode_cfg
         self.device = torch.device(device) if device is not None else _model_device(target)
         self.head = self._prepare_head(head, next(target.parameters()).dtype)
-        self.windows = layer_windows(target.config)
+        self.plan = verify_plan(target.config)  # trees or chains, from what the cache layers keep
         self.feature_ids = list(head.feature_layer_ids())
         self.eos = eos_ids(tokenizer, target)
         self.rng = torch.Generator(device=self.device).manual_seed(decode_cfg.seed)
@@ -167,24 +169,22 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
         self.rule = AcceptanceRule.from_config(decode_cfg)
         self.top_k = decode_cfg.tree_top_k  # children per drafted node
-        self.recurrent = bool(recurrent_layer_types(target.config))
-        if self.recurrent:
+        if not self.plan.trees:
             self._as_chains()
 
     def _as_chains(self) -> None:
-        """A hybrid target's recurrent layers read a verify pass in order, so it verifies one path: the
-        head's top-1 chain (or its sampled chain), with no prompt-lookup branch grafted on."""
-        model_type = getattr(self.target.config, "model_type", "target")
+        """A target whose layers read a verify pass in order (a state that follows the sequence) or take
+        masks of their own verifies one path: the head's top-1 chain (or its sampled chain), with no
+        prompt-lookup branch grafted on."""
         if self.static is not None:
             raise EagleError(
-                f"decode.tree=static verifies a tree, but {model_type} has recurrent (linear-attention) "
-                "layers, which verify one chain per pass: use decode.tree=auto or dynamic"
+                f"decode.tree=static verifies a tree, but {self.plan.why_chains}, so it verifies one "
+                "chain per pass: use decode.tree=auto or dynamic"
             )
         if self.lookup_stats is not None:
             log.info(
-                "%s has recurrent layers: drafts are verified as chains, without prompt-lookup branches "
-                "(decode.lookup_tokens=%d not used)",
-                model_type,
+                "%s: drafts are verified as chains, without prompt-lookup branches (decode.lookup_tokens=%d not used)",
+                self.plan.why_chains,
                 self.cfg.lookup_tokens,
             )
             self.lookup_stats = None
@@ -348,9 +348,9 @@ class SpeculativeGenerator:
         or None for a head that keeps only the context (DFlash)."""
         return self.head.commit(hcache, tokens, features, positions)
 
-    def _replay(self, tcache, snapshot: RecurrentSnapshot, accepted: torch.Tensor, root_pos: int) -> float:
-        """After a partial acceptance on a hybrid target: recurrent states back to before the verify pass,
-        attention caches cropped to it, and the accepted path (root first, [m]) run again so that every
+    def _replay(self, tcache, snapshot: StateSnapshot, accepted: torch.Tensor, root_pos: int) -> float:
+        """After a partial acceptance on a target with state layers: states back to before the verify pass,
+        keys and values cropped to it, and the accepted path (root first, [m]) run again so that every
         layer holds exactly it. Returns the seconds it took (target time)."""
         t0 = time.perf_counter()
         snapshot.restore()
@@ -361,7 +361,7 @@ class SpeculativeGenerator:
             accepted,
             torch.arange(root_pos, root_pos + m, device=self.device),
             tcache,
-            windows=self.windows,
+            plan=self.plan,
             last_logits_only=True,
         )
         return time.perf_counter() - t0
@@ -370,17 +370,18 @@ class SpeculativeGenerator:
         """Auto tree: time one verify pass per candidate size on this machine (done once)."""
         if self.verify_times is None:
             self.verify_times = time_verify_passes(
-                self.target, self.cfg.auto_candidates, context_len, self.windows, self.device, chain=self.recurrent
+                self.target, self.cfg.auto_candidates, context_len, self.plan, self.device
             )
         return self.verify_times
 
     # --- decoding --------------------------------------------------------------------------------
-    def stream(self, input_ids: list[int] | torch.Tensor) -> Iterator[list[int]]:
+    def stream(self, input_ids: list[int] | torch.Tensor, vision: VisionInputs | None = None) -> Iterator[list[int]]:
         """Yield the newly accepted tokens of every step; the summary lands in `self.last_result`."""
         if self.cfg.tree == "auto":
             self.calibrate()
         t_start = time.perf_counter()
         prompt = _as_ids(input_ids, self.device)
+        begin_prompt(self.target, prompt, vision)  # `vision`: the prompt's images (a vision-language target)
         res = GenerationResult(tokens=[], target_forwards=0)
         self.last_result = res
         run = _Decoding(
@@ -409,7 +410,7 @@ class SpeculativeGenerator:
             torch.arange(n, device=self.device),
             run.tcache,
             feature_layer_ids=self.feature_ids,
-            windows=self.windows,
+            plan=self.plan,
             last_logits_only=True,
         )
         run.root = self._choose(out.logits[-1])
@@ -439,7 +440,7 @@ class SpeculativeGenerator:
         chain = run.lookup.propose(self.cfg.lookup_tokens) if run.lookup is not None else []
         tree, grafted = self._graft(tree, chain)
         t1 = time.perf_counter()
-        snapshot = RecurrentSnapshot.take(run.tcache) if self.recurrent else None
+        snapshot = StateSnapshot.take(run.tcache) if self.plan.holds_state else None
         out = target_forward(
             self.target,
             tree.tokens,
@@ -447,7 +448,7 @@ class SpeculativeGenerator:
             run.tcache,
             tree.mask(),
             feature_layer_ids=self.feature_ids,
-            windows=self.windows,
+            plan=self.plan,
         )
         t2 = time.perf_counter()
         acc, shift = self._accept(tree, out.logits)
@@ -498,9 +499,9 @@ class SpeculativeGenerator:
         self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s
         run.root, run.root_pos = acc.tokens[-1], run.root_pos + m
 
-    def generate(self, input_ids: list[int] | torch.Tensor) -> GenerationResult:
+    def generate(self, input_ids: list[int] | torch.Tensor, vision: VisionInputs | None = None) -> GenerationResult:
         """Decode until EOS, a stop string or max_new_tokens."""
-        for _ in self.stream(input_ids):
+        for _ in self.stream(input_ids, vision):
             pass
         assert self.last_result is not None
         return self.last_result
@@ -513,21 +514,25 @@ def autoregressive_generate(
     decode_cfg: DecodeConfig,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    vision: VisionInputs | None = None,
 ) -> GenerationResult:
-    """One target forward per token over the same cache and mask code (the eval's baseline)."""
+    """One target forward per token over the same cache and mask code (the eval's baseline); `vision`: the
+    prompt's images (a vision-language target)."""
     device = torch.device(device) if device is not None else _model_device(target)
-    windows = layer_windows(target.config)
+    plan = verify_plan(target.config)
     rng = generator if generator is not None else torch.Generator(device=device).manual_seed(decode_cfg.seed)
     c = decode_cfg
     t_start = time.perf_counter()
     prompt = _as_ids(input_ids, device)
+    model = decoding_target(target)
+    begin_prompt(model, prompt, vision)
     res = GenerationResult(tokens=[], target_forwards=0)
     stop = StopChecker(tokenizer, eos_ids(tokenizer, target), c.stop_strings, c.max_new_tokens)
     cache = new_cache(target.config)
     ids, pos = prompt, torch.arange(prompt.numel(), device=device)
     while True:
         t0 = time.perf_counter()
-        out = target_forward(target, ids, pos, cache, windows=windows, last_logits_only=ids is prompt)
+        out = target_forward(model, ids, pos, cache, plan=plan, last_logits_only=ids is prompt)
         dt = time.perf_counter() - t0
         tok = sample_token(out.logits[-1], c.temperature, c.top_k, c.top_p, generator=rng)
         res.timings.target_s += dt

@@ -1,20 +1,25 @@
 """Target forwards over a KV cache with an explicit 4D (tree) attention mask, for any HF causal LM.
 
-transformers 5 passes a 4D mask through unchanged (`masking_utils._preprocess_mask_arguments`), so
-the mask we build is exactly what every layer sees:
-  * sdpa: bool [B, 1, T_q, T_past + T_q], True = may attend; eager: the same as an additive float
-    mask (0 / dtype min). Flash attention cannot take an arbitrary mask and is refused.
-  * Sliding-window layers (Gemma 2/3, Mistral with sliding_window, Qwen with use_sliding_window)
-    would lose their window with a plain 4D mask, so we AND the window in ourselves from position
-    ids (key visible iff q_pos - k_pos < window, transformers' own rule). Models with several layer
+What the decoder may verify follows from what each cache layer keeps (`eagle.decode.cache`), decided
+once per target by `verify_plan`:
+
+  * Every layer keeps keys and values (or nothing) and every attention layer's mask is one we can
+    build: trees. transformers 5 passes a 4D mask through unchanged
+    (`masking_utils._preprocess_mask_arguments`), so the mask we build is exactly what every layer
+    sees: sdpa takes bool [B, 1, T_q, T_past + T_q], True = may attend; eager the same as an additive
+    float mask (0 / dtype min). Flash attention cannot take an arbitrary mask and is refused.
+    Sliding-window layers (Gemma 2/3, Mistral with sliding_window, Qwen with use_sliding_window)
+    would lose their window with a plain 4D mask, so we AND the window in ourselves from position ids
+    (key visible iff q_pos - k_pos < window, transformers' own rule). Models with several layer
     types get a {layer_type: mask} dict, which those models accept in place of their own masks.
-  * The cache holds full attention layers (`DynamicLayer`) for every attention type: sliding layers
-    keep all keys and the mask hides the old ones, so cropping and gathering after verification is
-    uniform.
-  * Recurrent (linear-attention) layers of hybrid targets (Qwen3-Next, Qwen3.5: Gated DeltaNet) take
-    no mask: they read the new tokens in order, so a verify pass over them must be a chain, and their
-    state cannot be cropped. Their cache layers (`LinearAttentionLayer`) are snapshotted before a
-    verify pass and rolled back by the decoder (`eagle.decode.cache.RecurrentSnapshot`).
+  * Some layer keeps a state that follows the sequence (recurrent, convolution, compressed), or an
+    attention layer's mask is one we do not build (chunked attention): chains. A chain's mask is
+    plain causal, so the target builds its own masks from its cache and position ids, as in its
+    own `generate`: whatever its layer types are, each gets the mask its family defines.
+
+The cache holds full attention layers (`DynamicLayer`) where transformers would keep a sliding window:
+sliding layers keep all keys and the mask hides the old ones, so cropping and gathering after
+verification is uniform.
 """
 
 from __future__ import annotations
@@ -25,48 +30,123 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+)
 
+from eagle.decode.cache import LayerKind, cache_layers, layer_kind
 from eagle.errors import TargetError
+from eagle.target.features import layer_features
 from eagle.target.loading import MASKABLE_ATTENTION, target_errors
 from eagle.target.structure import text_config
 
+# The attention masks we build for a tree, by layer type: full, or full with a sliding window.
 _WINDOWED = ("sliding_attention",)
 _FULL = ("full_attention",)
-# Layer types whose cache is a recurrent state (transformers' LinearAttentionLayer), not keys and values.
-RECURRENT_TYPES = ("linear_attention",)
 
 
-def _layer_types(config: Any) -> list[str]:
-    return list(getattr(text_config(config), "layer_types", None) or [])
+@dataclass(frozen=True)
+class VerifyPlan:
+    """How a target verifies drafts, from what its cache layers keep (`verify_plan`)."""
+
+    model_type: str
+    kinds: tuple[LayerKind, ...]  # one per decoder layer
+    # {layer_type: sliding window or None}: the tree masks we build; None = the target verifies chains
+    # under its own causal masks.
+    windows: dict[str, int | None] | None
+    why_chains: str = ""  # what makes the target verify chains, for messages
+
+    @property
+    def trees(self) -> bool:
+        return self.windows is not None
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether some layer keeps a state that a partial acceptance must restore and replay."""
+        return any(k.holds_state for k in self.kinds)
 
 
-def recurrent_layer_types(config: Any) -> set[str]:
-    """The target's recurrent layer types (empty for attention-only targets)."""
-    return {t for t in _layer_types(config) if t in RECURRENT_TYPES}
+def _layer_types(config: Any) -> list[str] | None:
+    types = getattr(text_config(config), "layer_types", None)
+    return list(types) if types else None
+
+
+def new_cache(config: Any = None) -> DynamicCache:
+    """A cache laid out as the target's own (`DynamicCache(config=...)`: one layer class per decoder
+    layer, as its family defines it), except that sliding-window layers keep every key (the mask hides
+    the old ones; see the module docstring). `config=None`: full attention layers created on use (the
+    head's cache, tests)."""
+    if config is None:
+        return DynamicCache()
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as e:  # an unknown layer type, a per-layer attribute transformers cannot read
+        model_type = getattr(text_config(config), "model_type", "target")
+        raise TargetError(f"transformers cannot lay out a cache for {model_type}: {type(e).__name__}: {e}") from e
+    cache.layers = [_keep_every_key(layer) for layer in cache.layers]
+    return cache
+
+
+def _keep_every_key(layer: Any) -> Any:
+    """A plain sliding layer as a full one (same class family otherwise); any other layer as it is."""
+    if type(layer) is DynamicSlidingWindowLayer:
+        return DynamicLayer()
+    if type(layer) is LinearAttentionAndSlidingWindowAttentionLayer:
+        return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    return layer
+
+
+def classify_layers(config: Any) -> tuple[LayerKind, ...]:
+    """What each decoder layer of the target keeps; a layer class the decoder does not know is refused."""
+    cache = new_cache(config)
+    kinds = []
+    for i, layer in enumerate(cache_layers(cache)):
+        kind = layer_kind(layer)
+        if kind is None:
+            raise TargetError(
+                f"{text_config(config).model_type}: decoder layer {i} keeps its cache in a "
+                f"{type(layer).__name__}, which speculative decoding does not know how to roll back; it "
+                "verifies layers of keys and values (DynamicLayer), layers with a recurrent or convolution "
+                "state (LinearAttentionLayer), both (LinearAttentionAndFullAttentionLayer), keys kept with "
+                "more state (DynamicLayer subclasses) and layers that keep nothing (DummyLayer)"
+            )
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def verify_plan(config: Any) -> VerifyPlan:
+    """Trees where every layer's cache can be gathered to the accepted path and every attention mask is
+    one we build; chains otherwise (see the module docstring)."""
+    text = text_config(config)
+    kinds = classify_layers(config)
+    model_type = str(getattr(text, "model_type", "target"))
+    state = [i for i, k in enumerate(kinds) if k.holds_state]
+    if state:
+        why = f"{model_type} keeps a state that follows the sequence in layers {state[:8]}{'...' if len(state) > 8 else ''}"
+        return VerifyPlan(model_type, kinds, None, why)
+    types = _layer_types(config)
+    masked = {types[i] for i, k in enumerate(kinds) if k.holds_keys_values} if types else set()
+    unknown = sorted(masked - set(_WINDOWED) - set(_FULL))
+    if unknown:
+        return VerifyPlan(
+            model_type, kinds, None, f"{model_type}'s {', '.join(unknown)} layers take masks of their own"
+        )
+    return VerifyPlan(model_type, kinds, layer_windows(config))
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:
-    """{layer_type: sliding window or None} for the target's decoder layers."""
+    """{layer_type: sliding window or None} for the target's attention layers (tree masks)."""
     text = text_config(config)
     window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
+    types = _layer_types(config)
     if not types:
         # Single-type models (Llama, Mistral): one mask for all layers, windowed if the config says so.
         use = getattr(text, "use_sliding_window", True)
         return {"full_attention": window if (window and use) else None}
-    out: dict[str, int | None] = {}
-    for t in set(types):
-        if t in _WINDOWED:
-            out[t] = window
-        elif t in _FULL:
-            out[t] = None
-        elif t not in RECURRENT_TYPES:  # recurrent layers take no mask (build_attention_mask)
-            raise TargetError(
-                f"target layer type {t!r} ({text.model_type}) cannot verify drafts: speculative decoding "
-                f"supports full and sliding-window attention layers and {', '.join(RECURRENT_TYPES)} layers"
-            )
-    return out
+    return {t: (window if t in _WINDOWED else None) for t in set(types) if t in _WINDOWED + _FULL}
 
 
 def check_attention(model: Any) -> str:
@@ -86,7 +166,7 @@ def build_attention_mask(
     past_len: int,
     position_ids: torch.Tensor,  # [T_q] positions of the new tokens
     windows: dict[str, int | None] | None = None,
-) -> torch.Tensor | dict[str, torch.Tensor | None]:
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """The mask argument for a target forward of T_q new tokens after `past_len` cached ones.
 
     Cached tokens are the plain sequence 0 .. past_len - 1 (positions = indices), all visible except
@@ -98,7 +178,7 @@ def build_attention_mask(
     device = tree_mask.device
     base = torch.cat([torch.ones(tq, past_len, dtype=torch.bool, device=device), tree_mask], dim=1)  # [T_q, T_kv]
     k_pos = torch.cat([torch.arange(past_len, device=device), position_ids])  # [T_kv]
-    masks: dict[str, torch.Tensor | None] = {t: None for t in recurrent_layer_types(model.config)}
+    masks: dict[str, torch.Tensor] = {}
     for layer_type, window in windows.items():
         m = base
         if window:
@@ -118,31 +198,19 @@ class TargetOutput:
     features: torch.Tensor | None  # [T_q, k, H] the head's feature layers, or None
 
 
-def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+def select_features(model: Any, hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """output_hidden_states (L + 1 of [B, T, H]) -> [B, T, k, H] for the head's `feature_layer_ids()`.
 
-    Same indexing as `eagle.capture.features.extract_features`: id i = hidden_states[i]; -1 is the
-    post-norm final state (transformers 5 stores the normed state last).
+    Same rule as `eagle.capture.features.extract_features` (both call `eagle.target.features.layer_features`):
+    id i = hidden_states[i]; -1 is the post-norm final state (transformers 5 stores the normed state last);
+    a hyper-connection target's (DeepSeek-V4) stream states collapsed as the target collapses them.
     """
-    return torch.stack([hidden_states[i] for i in layer_ids], dim=2)
+    return layer_features(model, hidden_states, layer_ids)
 
 
 def _takes_logits_to_keep(model: Any) -> bool:
     """Whether the model's forward accepts `logits_to_keep` (every transformers 5 causal LM; remote code may not)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def new_cache(config: Any = None) -> DynamicCache:
-    """A cache of full (uncropped) attention layers, and the target's own recurrent layers where
-    `config` (the target's HF config) has any; see the module docstring for why sliding layers are full."""
-    if config is None or not recurrent_layer_types(config):
-        return DynamicCache()
-    cache = DynamicCache(config=config)  # LinearAttentionLayer for recurrent types, in layer order
-    types = _layer_types(config)
-    cache.layers = [
-        layer if t in RECURRENT_TYPES else DynamicLayer() for t, layer in zip(types, cache.layers, strict=True)
-    ]
-    return cache
 
 
 @torch.inference_mode()
@@ -153,25 +221,27 @@ def target_forward(
     cache: DynamicCache,
     tree_mask: torch.Tensor | None = None,  # [T_q, T_q] bool; None = causal
     feature_layer_ids: list[int] | None = None,
-    windows: dict[str, int | None] | None = None,
+    plan: VerifyPlan | None = None,
     last_logits_only: bool = False,
 ) -> TargetOutput:
     """One target forward of T_q new tokens over `cache` (which it extends by T_q entries).
 
+    `plan`: the target's `verify_plan` (computed here when None: pass it in a loop).
     `last_logits_only`: logits for the last position only ([1, V]), as a prefill needs; the LM head
     over a whole prompt is the largest product of the pass (SmolLM2: 49,152 x 576 per position).
     """
+    plan = plan if plan is not None else verify_plan(model.config)
     past = cache.get_seq_length()
-    causal = torch.ones(input_ids.numel(), input_ids.numel(), dtype=torch.bool, device=input_ids.device).tril()
-    if tree_mask is None:
-        tree_mask = causal
-    elif recurrent_layer_types(model.config) and not torch.equal(tree_mask, causal):
-        # A recurrent layer reads the new tokens in order, each after all the ones before it.
+    n = input_ids.numel()
+    mask: Any = None  # chains: the target's own causal masks
+    if plan.windows is not None:
+        causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
+        mask = build_attention_mask(model, causal if tree_mask is None else tree_mask, past, position_ids, plan.windows)
+    elif tree_mask is not None and not bool(tree_mask.equal(tree_mask.new_ones(n, n).tril())):
+        # A state layer reads the new tokens in order, each after all the ones before it.
         raise TargetError(
-            f"{text_config(model.config).model_type} has recurrent layers: a verify pass must be a "
-            "chain (each token after all earlier ones), not a tree"
+            f"{plan.why_chains}: a verify pass must be a chain (each token after all earlier ones), not a tree"
         )
-    mask = build_attention_mask(model, tree_mask, past, position_ids, windows)
     with target_errors(model):
         out = model(
             input_ids=input_ids[None],
@@ -183,5 +253,5 @@ def target_forward(
             return_dict=True,
             **({"logits_to_keep": 1} if last_logits_only and _takes_logits_to_keep(model) else {}),
         )
-    feats = select_features(out.hidden_states, feature_layer_ids)[0] if feature_layer_ids else None
+    feats = select_features(model, out.hidden_states, feature_layer_ids)[0] if feature_layer_ids else None
     return TargetOutput(logits=out.logits[0], features=feats)
