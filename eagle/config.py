@@ -187,8 +187,31 @@ class DraftConfig:
 
 
 @dataclass
+class StreamConfig:
+    """train.mode=stream: features from vLLM servers (eagle/train/stream/, docs/scaling.md)."""
+
+    # Base URLs of vLLM servers started with `python -m eagle.cli.serve_target` for the same recipe, e.g.
+    # [http://10.0.0.2:8000,http://10.0.0.3:8000]; a server that stops answering hands its samples to the others.
+    urls: list[str] = field(default_factory=list)
+    # The folder the servers' connector writes states files to and this trainer reads (and deletes) them from:
+    # the same machine, or a shared file system. null: ${EAGLE_CACHE:-~/.cache/eagle}/stream-states.
+    storage_dir: str | None = None
+    prefetch: int = 16  # samples requested ahead of the step that needs them, per process
+    requests_per_server: int = 8  # requests in flight per server (vLLM batches what arrives together)
+    request_timeout: float = 600.0  # seconds for one answer; a server that takes longer counts as gone
+    wait_s: float = 300.0  # every server gone: ask again with backoff this long, then stop (checkpoint saved)
+    # python -m eagle.cli.serve_target: the server's address, print (default) or run its command, and
+    # more vLLM server options (+train.stream.engine_args.max_num_seqs=64; those the recipe sets are refused).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    launch: str = "print"
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TrainConfig:
-    mode: str = "offline"  # offline (captured shards) | online (target in the loop)
+    mode: str = "offline"  # offline (captured shards) | online (target in the loop) | stream (vLLM servers)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     data_dir: str | None = None  # capture output dir for offline mode
     max_steps: int = 1000
     # Warm start: begin from this head's weights (a training dir, a checkpoint, a head folder or an
@@ -498,7 +521,11 @@ def _check_draft(draft: DraftConfig) -> None:
 
 def _check_train(t: TrainConfig) -> None:
     """train.*: choices, ranges, and settings that exclude each other"""
-    _choice("train.mode", t.mode, ("offline", "online"))
+    _choice("train.mode", t.mode, ("offline", "online", "stream"))
+    for name in ("requests_per_server", "request_timeout", "wait_s", "port"):
+        _positive(f"train.stream.{name}", getattr(t.stream, name))
+    _positive("train.stream.prefetch", t.stream.prefetch, allow_zero=True)
+    _choice("train.stream.launch", t.stream.launch, ("print", "run"))
     _choice("train.schedule", t.schedule, ("cosine", "linear", "constant"))
     _choice("train.optimizer", t.optimizer, ("adamw", "sgd"))
     _choice("train.mixed_precision", t.mixed_precision, ("auto", "no", "bf16", "fp16"))
@@ -672,6 +699,7 @@ __all__ = [
     "PublishConfig",
     "RegenerateConfig",
     "RootConfig",
+    "StreamConfig",
     "TargetConfig",
     "TrainConfig",
     "register_configs",

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from eagle.capture.features import extract_features, idle_forward
+from eagle.capture.features import extract_features, idle_forward, vision_batch
 from eagle.capture.reader import CaptureDataset, ShardShuffleSampler, collate
 from eagle.capture.store import member_path
 from eagle.config import ConfigError
@@ -105,20 +105,13 @@ class OfflineSplit:
         return counts
 
 
-class OnlineSplit:
-    """Tokenised conversations; features come from running the frozen target on each batch."""
+class ConversationSplit:
+    """Tokenised conversations in the capture's shard layout, no features yet: what online and stream
+    mode share (each adds its own `featurize`)."""
 
-    def __init__(
-        self,
-        conversations: Sequence[Any],  # TokenizedConversation: id, input_ids, loss_mask
-        shard_size: int,
-        target: nn.Module,
-        aux_layer_ids: list[int] | None,
-    ) -> None:
-        self.conversations = list(conversations)
+    def __init__(self, conversations: Sequence[Any], shard_size: int) -> None:
+        self.conversations = list(conversations)  # TokenizedConversation: id, input_ids, loss_mask
         self.shard_size = shard_size
-        self.target = target
-        self.aux_layer_ids = aux_layer_ids
 
     def __len__(self) -> int:
         return len(self.conversations)
@@ -137,11 +130,36 @@ class OnlineSplit:
             "input_ids": torch.tensor(c.input_ids, dtype=torch.long),  # [T]
             "loss_mask": torch.tensor(c.loss_mask, dtype=torch.bool),  # [T]
             "id": str(c.id),
+            **({"images": tuple(c.images)} if getattr(c, "images", ()) else {}),  # a vision-language target's
         }
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for c in self.conversations:
+            counts += count_tokens(torch.tensor(c.input_ids), torch.tensor(c.loss_mask), vocab_size)
+        return counts
+
+
+class OnlineSplit(ConversationSplit):
+    """Tokenised conversations; features come from running the frozen target on each batch."""
+
+    def __init__(
+        self,
+        conversations: Sequence[Any],  # TokenizedConversation: id, input_ids, loss_mask
+        shard_size: int,
+        target: nn.Module,
+        aux_layer_ids: list[int] | None,
+    ) -> None:
+        super().__init__(conversations, shard_size)
+        self.target = target
+        self.aux_layer_ids = aux_layer_ids
 
     def featurize(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
         batch = _to_device(batch, device)
-        feats = extract_features(self.target, batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids)
+        vision = vision_batch(self.target, batch.get("images", ()), device)  # the rows' images, if any
+        feats = extract_features(
+            self.target, batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids, vision
+        )
         # Inference tensors cannot be saved for backward; a clone outside inference mode can.
         batch.update({k: v.clone() for k, v in feats.items()})
         return batch
@@ -151,12 +169,6 @@ class OnlineSplit:
         fewer batches than another: every rank must run as many target forwards."""
         if is_sharded(self.target):
             idle_forward(self.target, device)
-
-    def token_counts(self, vocab_size: int) -> torch.Tensor:
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for c in self.conversations:
-            counts += count_tokens(torch.tensor(c.input_ids), torch.tensor(c.loss_mask), vocab_size)
-        return counts
 
 
 def truncate_item(item: dict[str, Any], max_length: int) -> dict[str, Any]:
@@ -284,6 +296,19 @@ class BatchStream:
         indices = order[pos.index : pos.index + self.batch_size]
         self.position = DataPosition(pos.epoch, pos.index + self.batch_size)
         return indices
+
+    def upcoming(self, count: int) -> list[int]:
+        """This rank's next `count` item indices in the order its micro-batches will take them, from the
+        current position on (across epochs), without moving it: what stream mode requests ahead."""
+        out: list[int] = []
+        pos = self.position
+        while len(out) < count:
+            if pos.index + self.batch_size > len(self.data):
+                pos = DataPosition(pos.epoch + 1, 0)
+            indices = self._epoch_order(pos.epoch)[pos.index : pos.index + self.batch_size]
+            out.extend(i for sl in self.slices for i in indices[sl])
+            pos = DataPosition(pos.epoch, pos.index + self.batch_size)
+        return out[:count]
 
     def next_step(self) -> tuple[list[dict[str, Any]], list[str]]:
         """(this rank's collated micro-batches on CPU, features not yet added; ids of this rank's items)."""

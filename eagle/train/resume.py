@@ -154,8 +154,10 @@ def classify(key: str, mode: str) -> tuple[str, str]:
         return "free", ""
     if mode == "offline" and (section == "data" or section == "capture"):
         return "free", "not read by train.mode=offline: the data come from train.data_dir"
-    if mode == "online" and key in ("train.data_dir", "capture.dtype"):
-        return "free", "not read by train.mode=online"
+    if mode in ("online", "stream") and key in ("train.data_dir", "capture.dtype"):
+        return "free", f"not read by train.mode={mode}"
+    if key.startswith("train.stream."):
+        return "free", "which servers compute the features, not what they are (each is checked against the recipe)"
     return "trajectory", ""
 
 

@@ -66,6 +66,7 @@ from eagle.train.metrics import MetricSums
 from eagle.train.resume import follow_schedule, run_record
 from eagle.train.runtime import PhaseTimer, StopFlag, checkpoint_to_resume, grad_norm, make_accelerator
 from eagle.train.schedule import build_optimizer, build_scheduler
+from eagle.train.stream import StreamStopped, build_stream_splits
 
 
 # --------------------------------------------------------------------------------------- results
@@ -84,6 +85,8 @@ class TrainResult:
     train_metrics: dict[str, float] = field(default_factory=dict)  # last logged training window
     skipped_steps: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0)
+    # train.mode=stream: samples per server, requeued samples, dropped servers, unservable conversations
+    stream: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +137,9 @@ def _build_data(cfg: RootConfig, target: nn.Module, tokenizer: Any, info: Any, a
         check_compatible(manifest, info, cfg.draft.algorithm, aux or None, data_dir=t.data_dir)
         offline, held = OfflineSplit(t.data_dir, "train", seed=t.seed), OfflineSplit(t.data_dir, "heldout", seed=t.seed)
         return offline, (held if len(held) else None)
+    if t.mode == "stream":  # online mode's splits, features from vLLM servers (eagle/train/stream/)
+        stream, stream_held, _recipe = build_stream_splits(cfg, target, tokenizer, info, accelerator)
+        return stream, stream_held
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
     layer_ids = get_algorithm(cfg.draft.algorithm).capture_layer_ids(aux)
@@ -267,6 +273,9 @@ class TrainRecipe:
             DataPosition(self.state.epoch, self.state.index),
             group_lengths=t.group_by_length,
         )
+        follow = getattr(self.train_split, "follow", None)
+        if callable(follow):  # train.mode=stream requests features ahead along the batch order
+            follow(self.stream.upcoming)
         algo = self.algorithm = get_algorithm(self.cfg.draft.algorithm)
         self.settings = algo.loss_settings(self.cfg.draft, t, self.pad_id, training=True)
         self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)
@@ -379,14 +388,23 @@ class TrainRecipe:
         """Forward/backward over this rank's micro-batches, then clip and step (or skip a non-finite step)."""
         t, acc, state = self.cfg.train, self.accelerator, self.state
         pre_position = DataPosition(self.stream.position.epoch, self.stream.position.index)
-        pre_rng = ckpt.rng_state() if t.nonfinite == "stop" else None
+        pre_rng = ckpt.rng_state() if t.nonfinite == "stop" or t.mode == "stream" else None
         with self.timer("data"):
             micro, ids = self.stream.next_step()
         norms = self.global_token_counts(micro)
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         for i, mb in enumerate(micro):
             with self.timer("data"):
-                mb = self.train_split.featurize(mb, self.device)
+                try:
+                    mb = self.train_split.featurize(mb, self.device)
+                except StreamStopped as e:  # every server gone: save the state before this step, then stop
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.stream.position = pre_position
+                    path = self.result.last_checkpoint = self.save_checkpoint(pre_rng)
+                    raise StreamStopped(
+                        f"{e}. The state before step {state.step + 1} is saved in {path}; start a server and run "
+                        "the same command to resume"
+                    ) from e
             sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.wrapper)
             with self.timer("forward_backward"), sync:
                 parts = self.wrapper(mb, norms)
@@ -589,6 +607,10 @@ class TrainRecipe:
         result.best_dir = out / ckpt.BEST if (out / ckpt.BEST).is_dir() else None
         result.skipped_steps = list(state.skipped_steps)
         result.timings = dict(self.timer.seconds)
+        stream_report = getattr(self.train_split, "report", None)
+        if callable(stream_report):  # train.mode=stream
+            result.stream = stream_report()
+            self.train_split.close()
         if self.accelerator.is_main_process:
             summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
             ckpt.atomic_write_text(
@@ -625,6 +647,13 @@ def format_result(result: TrainResult) -> str:
         lines.append(f"best head: {result.best_dir}{best}")
     if result.skipped_steps:
         lines.append(f"skipped non-finite steps: {result.skipped_steps}")
+    if result.stream:
+        s = result.stream
+        served = ", ".join(f"{url}: {n}" for url, n in s["served"].items())
+        lines.append(f"stream: samples served by {served or 'no server'}; {s['requeued']} asked again elsewhere")
+        if s["unservable"]:
+            named = "; ".join(f"{cid} ({why})" for cid, why in list(s["unservable"].items())[:10])
+            lines.append(f"stream: {len(s['unservable'])} conversation(s) could not be served and trained nothing: {named}")
     return "\n".join(lines)
 
 
