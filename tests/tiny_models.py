@@ -278,3 +278,119 @@ def save_model(family: str, folder: Path, seed: int = 0, **kw) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+# Issue #51, vision-language targets (tests/test_vl.py runs it through every stage with image prompts):
+# | family   | model class                      | notable config                                       | template          |
+# | qwen3_vl | Qwen3VLForConditionalGeneration  | 2-block vision tower (16-px patches, 2x2 merge,     | ChatML, image     |
+# |          |                                  | deepstack), interleaved M-RoPE text model           | parts as pads     |
+# Its processor is built here too: Qwen2-VL's PIL image processor (no torchvision; eagle.target.multimodal).
+VL_FAMILIES = ("qwen3_vl",)
+CHATML_VL = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES["qwen3_vl"] = (
+    CHATML_VL,
+    [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ],
+    None,
+    "<|im_end|>",
+)
+
+
+def make_image_processor():
+    """Qwen2-VL's image processor (PIL backend) sized for the tiny tower: 16-px patches, 2x2 merge, images
+    resized to 1-9 merged patches (32 x 32 to 96 x 96 pixels)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96}
+    )
+
+
+def make_vl_model(seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN):
+    """(Qwen3-VL model, tokenizer, image processor) with fixed random weights."""
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+
+    tok = make_tokenizer("qwen3_vl")
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
+    cfg = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            # Interleaved M-RoPE over the 8 rotary frequencies: 2 time, 3 height, 3 width.
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=64,
+        ),
+        image_token_id=ids["image_pad"],
+        video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # as make_model: non-trivial greedy choices
+    model.eval()
+    return model, tok, make_image_processor()
+
+
+def save_vl_model(folder: Path, seed: int = 0, **kw) -> Path:
+    """The tiny Qwen3-VL as a checkpoint folder: weights, tokenizer and preprocessor_config.json."""
+    model, tok, processor = make_vl_model(seed=seed, **kw)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def write_images(folder: Path) -> list[Path]:
+    """Three small PNG photographs' stand-ins (gradients and blocks of colour, different sizes)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for k, (h, w) in enumerate(((40, 60), (64, 64), (90, 50))):
+        pixels = (rng.random((h, w, 3)) * 255).astype("uint8")
+        paths.append(folder / f"image{k}.png")
+        Image.fromarray(pixels).save(paths[-1])
+    return paths

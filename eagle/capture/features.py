@@ -11,13 +11,16 @@ own LM head gives its next-token distribution.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from eagle.data.images import open_image
 from eagle.errors import CaptureError
 from eagle.target.loading import target_errors
+from eagle.target.multimodal import VisionInputs, concat_vision, image_token_id, load_vision_processor, multimodal_model
 from eagle.target.shard import is_sharded
 from eagle.target.structure import aux_layer_problem, decoder_of
 
@@ -34,15 +37,22 @@ def extract_features(
     input_ids: torch.Tensor,  # [B, T]
     attention_mask: torch.Tensor,  # [B, T], 1 = real token (right padding)
     aux_layer_ids: list[int] | None,
+    vision: VisionInputs | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the frozen target once and return its features, in the model's dtype and device.
+
+    `vision`: the images of the batch's rows, in order (a vision-language target; `vision_batch`). The target's
+    multimodal model then reads them and computes its own M-RoPE positions; the features are still its text
+    model's hidden states, at every position (image positions included; their loss mask is 0).
 
     Returns {"final_hidden": [B, T, H]} plus {"aux_hidden": [B, T, 3, H]} when `aux_layer_ids` is
     given. Values at padded positions are meaningless; callers mask them with `attention_mask`.
     The outputs may be inference tensors: `.clone()` them outside inference mode before they enter a
     graph that autograd saves (the online trainer's head forward).
     """
-    decoder = decoder_of(model)
+    # With images, the multimodal model: it encodes them into the image tokens' embeddings (same hidden states out).
+    decoder = multimodal_model(model) if vision is not None else decoder_of(model)
+    mm: dict[str, Any] = {} if vision is None else vision.model_kwargs(input_ids, image_token_id(model.config))
     want_aux = bool(aux_layer_ids)
     # A sharded target runs under no_grad instead: FSDP keeps each layer's gathered-weights buffer from one
     # forward to the next, and one first allocated in inference mode could not be written outside it
@@ -56,6 +66,7 @@ def extract_features(
             use_cache=False,
             output_hidden_states=want_aux,
             return_dict=True,
+            **mm,
         )
         final = out.last_hidden_state  # [B, T, H], post final norm
         features = {"final_hidden": final}
@@ -70,6 +81,29 @@ def extract_features(
             check_layer_ids(list(aux_layer_ids), num_layers)
             features["aux_hidden"] = torch.stack([states[i] for i in aux_layer_ids], dim=2)  # [B, T, 3, H]
     return features
+
+
+def vision_batch(model: nn.Module, images: Sequence[Sequence[str]], device: torch.device | str) -> VisionInputs | None:
+    """The pixel inputs of a batch whose row r holds the images `images[r]` (references a data stage resolved,
+    `eagle.data.images`), through the target's own image processor; None when no row has any."""
+    if not any(images):
+        return None
+    where = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    processor = load_vision_processor(str(getattr(model.config, "_name_or_path", "") or ""))
+    if processor is None:
+        raise CaptureError(
+            f"the batch holds images but the target ({where}) has no image processor beside it (a text-only "
+            "target, or a vision-language one not loaded from its folder)"
+        )
+    rows = [
+        processor.pixels([open_image(ref, f"image of row {r}") for ref in refs])
+        for r, refs in enumerate(images)
+        if refs
+    ]
+    vision = concat_vision(list(rows))
+    assert vision is not None  # some row had images
+    dtype = next(model.parameters()).dtype
+    return vision.to(device, dtype=dtype)
 
 
 def idle_forward(model: nn.Module, device: torch.device | str) -> None:

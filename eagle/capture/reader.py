@@ -269,6 +269,8 @@ def collate(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
         "attention_mask": torch.zeros((b, width), dtype=torch.bool),  # [B, T]
         "ids": [it["id"] for it in items],
     }
+    if any("images" in it for it in items):  # online training on a vision-language target: each row's images
+        batch["images"] = [tuple(it.get("images", ())) for it in items]
     for name in FEATURE_NAMES:
         if name in items[0]:
             first = items[0][name]

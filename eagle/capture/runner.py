@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eagle.algorithms import get_algorithm
-from eagle.capture.features import check_layer_ids, extract_features, idle_forward
+from eagle.capture.features import check_layer_ids, extract_features, idle_forward, vision_batch
 from eagle.capture.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -277,14 +277,19 @@ def check_finite_features(
 # One padded batch -> features (`extract_features`' contract): ids [B, T], mask [B, T], aux layer ids ->
 # {"final_hidden": [B, T, H], "aux_hidden": [B, T, 3, H]} in the target's dtype. The hf backend runs the
 # model in this process; capture.backend=vllm asks vLLM (`eagle.capture.vllm_engine.VllmEngine.forward`).
-BatchForward = Callable[[torch.Tensor, torch.Tensor, "list[int] | None"], dict[str, torch.Tensor]]
+# A batch with images also passes each row's image references (hf backend only): hence `...`.
+BatchForward = Callable[..., dict[str, torch.Tensor]]
 
 
 def model_forward(model: nn.Module, device: torch.device) -> BatchForward:
     """The hf backend's `BatchForward`: the target in this process on `device`."""
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor, aux_layer_ids: list[int] | None) -> dict[str, torch.Tensor]:
-        return extract_features(model, ids.to(device), mask.to(device), aux_layer_ids)
+    def forward(
+        ids: torch.Tensor, mask: torch.Tensor, aux_layer_ids: list[int] | None, images: Sequence[Sequence[str]] = ()
+    ) -> dict[str, torch.Tensor]:
+        # images: each row's image references (a vision-language target's batch); none for text.
+        vision = vision_batch(model, images, device)
+        return extract_features(model, ids.to(device), mask.to(device), aux_layer_ids, vision)
 
     return forward
 
@@ -308,7 +313,9 @@ def _capture_shard(
     out: dict[str, list[Any]] = {}
     for batch in length_sorted_batches([len(c.input_ids) for c in convs], capture.batch_tokens):
         ids, mask = pad_batch([convs[i].input_ids for i in batch])
-        feats = forward(ids, mask, aux_layer_ids)
+        images = [tuple(getattr(convs[i], "images", ())) for i in batch]  # a vision-language target's rows
+        # Only batches with images pass them: capture.backend=vllm's forward takes text (refused earlier).
+        feats = forward(ids, mask, aux_layer_ids, images) if any(images) else forward(ids, mask, aux_layer_ids)
         for name, value in feats.items():
             # Cast on the device first: half the bytes cross to the host.
             stored = value.to(storage)  # [b, T, ...]
@@ -603,6 +610,11 @@ def run_capture_vllm(cfg: RootConfig) -> dict[str, Any]:
     dtype = resolve_dtype("auto", here, "capture") if cfg.target.dtype == "auto" else DTYPES[cfg.target.dtype]
     tokenizer, info = target_without_weights(cfg.target, dtype)
     splits = build_splits(cfg.data, tokenizer)
+    if any(c.images for c in (*splits.train, *splits.heldout)):
+        raise CaptureError(
+            "capture.backend=vllm captures text conversations; this data holds images (a vision-language "
+            "target): capture it with capture.backend=hf"
+        )
     with engine:
         engine.bind(cfg.target, info, max(len(c.input_ids) for c in (*splits.train, *splits.heldout)))
         return _capture_data_splits(cfg, FeatureSource(info, engine.forward, engine.describe()), splits)

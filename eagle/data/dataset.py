@@ -220,7 +220,11 @@ def pack_conversations(convs: list[TokenizedConversation], max_length: int) -> l
             mask = [m for c in group for m in c.loss_mask]
             packs.append(
                 TokenizedConversation(
-                    f"pack:{group[0].id}+{len(group) - 1}", ids, mask, any(c.truncated for c in group)
+                    f"pack:{group[0].id}+{len(group) - 1}",
+                    ids,
+                    mask,
+                    any(c.truncated for c in group),
+                    images=tuple(ref for c in group for ref in c.images),  # in sequence order, as their tokens
                 )
             )
             group.clear()
@@ -257,5 +261,8 @@ def data_fingerprint(cfg: DataConfig, splits: DataSplits) -> str:
     for name, part in (("train", splits.train), ("heldout", splits.heldout)):
         h.update(f"\x00{name}:{len(part)}".encode())
         for tc in part:
-            h.update(json.dumps([tc.id, tc.input_ids, tc.loss_mask]).encode())
+            # Images by reference (a vision-language target's); text-only data hashes as it always did.
+            h.update(
+                json.dumps([tc.id, tc.input_ids, tc.loss_mask] + ([list(tc.images)] if tc.images else [])).encode()
+            )
     return h.hexdigest()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle.assets import asset_path
+from eagle.data.images import resolve_image
 from eagle.errors import DataError
 
 
@@ -20,6 +21,9 @@ class EvalPrompt:
     id: str
     turns: list[str]  # user turns, in order (MT-Bench has two; HumanEval one)
     category: str | None = None
+    # Images of the first turn (a vision-language target), resolved paths or data URLs; each `<image>` in that
+    # turn's text stands for the next one, the others go before its text (eagle.data.images).
+    images: list[str] = field(default_factory=list)
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -73,7 +77,8 @@ def humaneval_long(file_chars: tuple[int, ...] = LONG_FILE_CHARS) -> list[EvalPr
 
 def load_eval_prompts(name: str) -> list[EvalPrompt]:
     """Prompts of `mt_bench`, `humaneval`, `humaneval_long`, or a local PATH.jsonl whose
-    lines are `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category"), in file order."""
+    lines are `{"id", "turns": [...]}` or `{"id", "prompt"}` (optional "category", and "images": the first
+    turn's images, paths relative to the file or data URLs, for a vision-language target), in file order."""
     if name == "mt_bench":
         return [
             EvalPrompt(str(r["question_id"]), list(r["turns"]), r.get("category"))
@@ -95,7 +100,13 @@ def load_eval_prompts(name: str) -> list[EvalPrompt]:
                 "or 'prompt' (a non-empty string)"
             )
         category = r.get("category")
-        prompts.append(EvalPrompt(str(r.get("id", lineno)), turns, category if isinstance(category, str) else None))
+        images = r.get("images") or []
+        if not isinstance(images, list):
+            raise DataError(f"{path}: line {lineno}: 'images' must be a list of image paths or data URLs")
+        refs = [resolve_image(ref, f"{path}: line {lineno}, images[{k}]", path.parent) for k, ref in enumerate(images)]
+        prompts.append(
+            EvalPrompt(str(r.get("id", lineno)), turns, category if isinstance(category, str) else None, refs)
+        )
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise DataError(f"{path}: prompt ids are not unique; give each line a distinct 'id'")

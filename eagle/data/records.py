@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from eagle.data.images import attach_record_images, content_parts, has_images
 from eagle.errors import DataError
 
 # Role names seen in ShareGPT-style dumps and OpenAI-style records, mapped to the three roles that
@@ -58,7 +60,8 @@ ROLE_MAP: dict[str, str] = {
 class Conversation:
     """A conversation in the toolkit's normalised form: roles are system | user | assistant.
 
-    Each message has `role` (system | user | assistant | tool) and `content`; an assistant message may
+    Each message has `role` (system | user | assistant | tool) and `content`; a user message with images also
+    `parts` (its text and images in order, `eagle.data.images`); an assistant message may
     also hold `token_ids` (the ids the target generated for it), `reasoning_content` and `tool_calls`, a
     tool message `tool_call_id` and `name` (see the module docstring)."""
 
@@ -171,9 +174,14 @@ def _tool_calls_of(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _message_of(turn: dict[str, Any], raw_role: str, content: Any, fmt_name: str, at: str) -> dict[str, Any]:
-    """A normalised message from one turn (role already checked)."""
+def _message_of(
+    turn: dict[str, Any], raw_role: str, content: Any, fmt_name: str, at: str, base_dir: Path | None = None
+) -> dict[str, Any]:
+    """A normalised message from one turn (role already checked); `base_dir`: where relative image paths are."""
     role = ROLE_MAP[raw_role.strip().lower()]
+    if role == "user" and has_images(content):  # text in `content`, the ordered parts in `parts` (eagle.data.images)
+        text, parts = content_parts(content, at, base_dir)
+        return {"role": role, "content": text, "parts": parts}
     if raw_role.strip().lower() == "function_call":  # ShareGPT: the value is one call's JSON, no text
         try:
             call = json.loads(content) if isinstance(content, str) else content
@@ -240,9 +248,10 @@ def normalise_record(
         cid = f"{index}"
     fmt_name, key = detect_format(record, fmt, where)
     turns = record[key]
+    base_dir = Path(source).expanduser().parent if source else None  # relative image paths: beside the data file
     if not isinstance(turns, list):
         raise DataError(f"{where}: field {key!r} must be a list of turns, got {type(turns).__name__}")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     for j, turn in enumerate(turns):
         at = f"{where}, turn {j}"
         if not isinstance(turn, dict):
@@ -263,8 +272,10 @@ def normalise_record(
                 f"{at}: unknown role {raw_role!r}; supported: {', '.join(sorted(ROLE_MAP))}. "
                 "Filter or rename these turns"
             )
-        messages.append(_message_of(turn, raw_role, content, fmt_name, at))
+        messages.append(_message_of(turn, raw_role, content, fmt_name, at, base_dir))
 
+    if record.get("images") is not None:  # ShareGPT / LLaVA: the record's images, `<image>` in user turns
+        attach_record_images(record["images"], messages, where, base_dir)
     record_system = record.get("system")
     if record_system is not None and not isinstance(record_system, str):
         raise DataError(f"{where}: field 'system' must be a string, got {type(record_system).__name__}")
@@ -284,7 +295,12 @@ def trim_trailing(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _is_empty(m: dict[str, Any]) -> bool:
     """No text, no thinking and no tool call: nothing to render or train."""
-    return not m["content"].strip() and not (m.get("reasoning_content") or "").strip() and not m.get("tool_calls")
+    return (
+        not m["content"].strip()
+        and not (m.get("reasoning_content") or "").strip()
+        and not m.get("tool_calls")
+        and not m.get("parts")  # an image alone is a user turn's content
+    )
 
 
 def check_messages(messages: list[dict[str, Any]]) -> None:

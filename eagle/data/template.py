@@ -48,8 +48,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from eagle.data.images import (
+    expand_image_tokens,
+    image_size,
+    keep_whole_images,
+    message_images,
+    open_image,
+    template_content,
+)
 from eagle.data.records import Conversation
-from eagle.errors import TargetError
+from eagle.errors import DataError, TargetError
+from eagle.target.multimodal import VisionInputs, load_vision_processor
 
 
 @dataclass
@@ -63,6 +72,7 @@ class TokenizedConversation:
     fallback_turns: int = 0  # assistant turns located by search (template not prefix-consistent)
     id_turns: int = 0  # assistant turns whose stored token_ids replaced their text's tokens
     id_fallback_turns: int = 0  # assistant turns with token_ids whose text was tokenised instead (see module doc)
+    images: tuple[str, ...] = ()  # the images of a vision-language target's conversation, in order (eagle.data.images)
 
 
 class TemplateFailure(Exception):
@@ -90,6 +100,7 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
         {
             **{k: m[k] for k in RENDERED_KEYS if k in m},
             **({"thinking": m["reasoning_content"]} if "reasoning_content" in m else {}),
+            **({"content": template_content(m)} if "parts" in m else {}),  # text and image parts, in order
         }
         for m in messages
     ]
@@ -429,15 +440,71 @@ def tokenize_with_reason(
     # only changes tokens of the last word), doubling it while it is short, instead of everything.
     limit = max_length + _CUT_MARGIN_TOKENS
     n_chars = 8 * limit
+    images = message_images(conv.messages)  # rendered whole: a cut text would lose image placeholders
     while True:
-        piece = text if n_chars >= len(text) else text[:n_chars]
+        piece = text if n_chars >= len(text) or images else text[:n_chars]
         ids, mask, spliced, refused = _tokenize_spliced(tokenizer, piece, spans, splices, use_offsets)
         if piece is text or len(ids) > limit:
             break
         n_chars *= 2
-    return fit_to_length(
-        TokenizedConversation(conv.id, ids, mask, False, fallbacks, spliced, unusable + refused), max_length, overflow
+    tc = TokenizedConversation(conv.id, ids, mask, False, fallbacks, spliced, unusable + refused)
+    if images:  # a vision-language target's conversation: image tokens, whole images
+        return fit_images_to_length(*with_image_tokens(tc, conv, tokenizer), max_length, overflow)
+    return fit_to_length(tc, max_length, overflow)
+
+
+def with_image_tokens(
+    tc: TokenizedConversation, conv: Conversation, tokenizer: Any
+) -> tuple[TokenizedConversation, int, list[int]]:
+    """(`tc` with each image's placeholder token repeated once per merged patch (mask 0), as the target's
+    processor does, and the images recorded; the image token; tokens per image). `DataError` naming the
+    conversation for a text-only target."""
+    refs = message_images(conv.messages)
+    vision = load_vision_processor(str(getattr(tokenizer, "name_or_path", "") or ""))
+    where = f"conversation {conv.id!r}"
+    if vision is None:
+        name = getattr(tokenizer, "name_or_path", "") or "a tokenizer without a checkpoint folder"
+        raise DataError(
+            f"{where} holds {len(refs)} image(s) but the target ({name}) is text-only (no vision tower in its "
+            "config): drop the images from the data or train for a vision-language target"
+        )
+    counts = [vision.tokens_for(*image_size(ref, where)) for ref in refs]
+    ids, mask = expand_image_tokens(tc.input_ids, tc.loss_mask, vision.image_token_id, counts, where)
+    return replace(tc, input_ids=ids, loss_mask=mask, images=tuple(refs)), vision.image_token_id, counts
+
+
+def encode_image_prompt(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> tuple[list[int], VisionInputs]:
+    """(prompt ids ready for the assistant turn, the images' pixel inputs) of `messages` holding images, for a
+    vision-language target: rendered and expanded as training data is (`with_image_tokens`)."""
+    refs = message_images(messages)
+    vision = load_vision_processor(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if vision is None:
+        name = getattr(tokenizer, "name_or_path", "") or "a tokenizer without a checkpoint folder"
+        raise DataError(f"{where} holds {len(refs)} image(s) but the target ({name}) is text-only")
+    try:
+        text = render(tokenizer, messages, add_generation_prompt=True)
+    except TemplateFailure as e:
+        raise DataError(f"{where}: {e}") from e
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    images = [open_image(ref, where) for ref in refs]
+    counts = [vision.tokens_for(img.height, img.width) for img in images]
+    ids, _ = expand_image_tokens(ids, [0] * len(ids), vision.image_token_id, counts, where)
+    return ids, vision.pixels(images)
+
+
+def fit_images_to_length(
+    tc: TokenizedConversation, image_id: int, counts: list[int], max_length: int, overflow: str
+) -> tuple[TokenizedConversation | None, str | None]:
+    """`fit_to_length` for a conversation with images: a cut never splits an image (the target cannot read
+    part of one), so it moves before a split image, which is dropped with its tokens."""
+    fitted, reason = fit_to_length(tc, max_length, overflow)
+    if fitted is None or not fitted.truncated:
+        return fitted, reason
+    kept, length = keep_whole_images(fitted.input_ids, image_id, counts)
+    fitted = replace(
+        fitted, input_ids=fitted.input_ids[:length], loss_mask=fitted.loss_mask[:length], images=tc.images[:kept]
     )
+    return (fitted, None) if any(fitted.loss_mask) else (None, "empty_loss_mask")
 
 
 def fit_to_length(

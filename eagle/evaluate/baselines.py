@@ -18,6 +18,7 @@ import torch
 
 from eagle.config import DecodeConfig
 from eagle.errors import TargetError
+from eagle.target.multimodal import VisionInputs, image_token_id
 from eagle.target.structure import config_token_ids
 
 
@@ -83,8 +84,10 @@ def hf_generate(
     input_ids: torch.Tensor,  # [1, T]
     decode: DecodeConfig,
     prompt_lookup_num_tokens: int | None = None,
+    vision: VisionInputs | None = None,
 ) -> MethodRun:
-    """HF `generate` on one prompt (prompt-lookup decoding when `prompt_lookup_num_tokens` is set)."""
+    """HF `generate` on one prompt (prompt-lookup decoding when `prompt_lookup_num_tokens` is set); `vision`: the
+    prompt's images, passed as a vision-language model's `generate` takes them (it computes M-RoPE itself)."""
     kw = hf_generate_kwargs(model, tokenizer, decode)
     if prompt_lookup_num_tokens:
         kw["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
@@ -92,5 +95,8 @@ def hf_generate(
     device = next(model.parameters()).device
     if decode.temperature > 0:
         torch.manual_seed(decode.seed)
+    if vision is not None and vision.num_images:
+        dtype = next(model.parameters()).dtype
+        kw.update(vision.to(device, dtype=dtype).model_kwargs(input_ids.to(device), image_token_id(model.config)))
     out, seconds = timed(lambda: model.generate(input_ids.to(device), attention_mask=attention_mask.to(device), **kw))
     return MethodRun(tokens=out[0, input_ids.shape[1] :].tolist(), seconds=seconds)  # out: [1, T + N]

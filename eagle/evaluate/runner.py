@@ -32,6 +32,8 @@ from eagle.algorithms import get_algorithm
 from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
+from eagle.data.images import attach_record_images
+from eagle.data.template import encode_image_prompt
 from eagle.decode.approximate import AcceptanceRule, acceptance_label
 from eagle.decode.draft import uses_sampled_drafts
 from eagle.decode.generator import SpeculativeGenerator, autoregressive_generate
@@ -43,11 +45,13 @@ from eagle.evaluate.report import SPEC, aggregate, hardware_info, prompt_record,
 from eagle.export.loader import load_draft
 from eagle.heads.base import DraftHead
 from eagle.target.loading import TargetInfo, load_target
+from eagle.target.multimodal import VisionInputs
 
 log = logging.getLogger(__name__)
 PROGRESS = "eval_progress.jsonl"
 
-TurnRunner = Callable[[torch.Tensor], dict[str, Any]]
+# input_ids [1, T] (and the prompt's images, for a vision-language target) -> the method's record.
+TurnRunner = Callable[[torch.Tensor, "VisionInputs | None"], dict[str, Any]]
 
 
 def resolve_device(cfg: RootConfig) -> torch.device:
@@ -74,13 +78,33 @@ def answer_text(tokenizer: Any, tokens: list[int], stop_ids: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
+def user_message(prompt: EvalPrompt, turn: int) -> dict[str, Any]:
+    """User turn `turn` of `prompt` as a message; the first carries the prompt's images (`eagle.data.images`)."""
+    message: dict[str, Any] = {"role": "user", "content": prompt.turns[turn]}
+    if turn == 0 and prompt.images:
+        attach_record_images(prompt.images, [message], f"prompt {prompt.id!r}", None)
+    return message
+
+
+def prompt_vision(tokenizer: Any, prompt: EvalPrompt) -> VisionInputs | None:
+    """The pixel inputs of a prompt's images (None for a text prompt): the same for every turn."""
+    if not prompt.images:
+        return None
+    return encode_image_prompt(tokenizer, [user_message(prompt, 0)], f"prompt {prompt.id!r}")[1]
+
+
 def turn_inputs(tokenizer: Any, prompt: EvalPrompt, answers: list[str]) -> list[torch.Tensor]:
-    """Input ids of each turn: earlier turns carry the given assistant answers ([1, T] each)."""
-    messages: list[dict[str, str]] = []
+    """Input ids of each turn: earlier turns carry the given assistant answers ([1, T] each); a prompt's images
+    are in its first turn, each as its image tokens."""
+    messages: list[dict[str, Any]] = []
     inputs = []
-    for i, user in enumerate(prompt.turns):
-        messages.append({"role": "user", "content": user})
-        inputs.append(encode_chat(tokenizer, messages))
+    for i in range(len(prompt.turns)):
+        messages.append(user_message(prompt, i))
+        if prompt.images:
+            ids = encode_image_prompt(tokenizer, messages, f"prompt {prompt.id!r}")[0]
+            inputs.append(torch.tensor([ids], dtype=torch.long))  # [1, T]
+        else:
+            inputs.append(encode_chat(tokenizer, messages))
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i]})
     return inputs
@@ -95,8 +119,8 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
-    def run(input_ids: torch.Tensor) -> dict[str, Any]:
-        res, seconds = timed(lambda: generator.generate(input_ids))
+    def run(input_ids: torch.Tensor, vision: VisionInputs | None = None) -> dict[str, Any]:
+        res, seconds = timed(lambda: generator.generate(input_ids, vision))
         timings = {k: float(v) for k, v in asdict(res.timings).items()}
         timings["overhead_s"] = float(res.timings.overhead_s)
         return {
@@ -119,15 +143,17 @@ def speculative_runner(generator: Any, decode: DecodeConfig) -> TurnRunner:
 def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: DecodeConfig) -> dict[str, TurnRunner]:
     """The baselines named in `eval.baselines`, each as input_ids -> {tokens, seconds}."""
 
-    def autoregressive(input_ids: torch.Tensor) -> dict[str, Any]:
-        res, seconds = timed(lambda: autoregressive_generate(target, tokenizer, input_ids, decode))
+    def autoregressive(input_ids: torch.Tensor, vision: VisionInputs | None = None) -> dict[str, Any]:
+        res, seconds = timed(lambda: autoregressive_generate(target, tokenizer, input_ids, decode, vision=vision))
         return {"tokens": [int(t) for t in res.tokens], "seconds": seconds}
 
-    def hf(input_ids: torch.Tensor) -> dict[str, Any]:
-        return asdict(hf_generate(target, tokenizer, input_ids, decode))
+    def hf(input_ids: torch.Tensor, vision: VisionInputs | None = None) -> dict[str, Any]:
+        return asdict(hf_generate(target, tokenizer, input_ids, decode, vision=vision))
 
-    def lookup(input_ids: torch.Tensor) -> dict[str, Any]:
-        return asdict(hf_generate(target, tokenizer, input_ids, decode, cfg.eval.prompt_lookup_num_tokens))
+    def lookup(input_ids: torch.Tensor, vision: VisionInputs | None = None) -> dict[str, Any]:
+        return asdict(
+            hf_generate(target, tokenizer, input_ids, decode, cfg.eval.prompt_lookup_num_tokens, vision=vision)
+        )
 
     known = {"autoregressive": autoregressive, "hf_generate": hf, "prompt_lookup": lookup}
     return {name: known[name] for name in cfg.eval.baselines}
@@ -147,9 +173,10 @@ def run_prompt(
     """All methods on every turn of one prompt; the history follows the speculative answers."""
     turns: list[dict[str, Any]] = []
     answers: list[str] = []
+    vision = prompt_vision(tokenizer, prompt)  # a vision-language target's prompt images, every turn
     for i in range(len(prompt.turns)):
         input_ids = turn_inputs(tokenizer, replace(prompt, turns=prompt.turns[: i + 1]), answers)[i]  # [1, T]
-        methods = {name: fn(input_ids) for name, fn in runners.items()}
+        methods = {name: fn(input_ids, vision) for name, fn in runners.items()}
         spec = methods[SPEC]["tokens"]
         record: dict[str, Any] = {
             "turn": i,
@@ -290,8 +317,9 @@ def run_tree_sweep(
         lengths: list[int] = []
         for rec in per_prompt:
             answers = [t["answer"] for t in rec["turns"]]
+            vision = prompt_vision(tokenizer, by_id[rec["id"]])
             for input_ids in turn_inputs(tokenizer, by_id[rec["id"]], answers):
-                out = run(input_ids)
+                out = run(input_ids, vision)
                 tokens += len(out["tokens"])
                 seconds += out["seconds"]
                 forwards += out["target_forwards"]

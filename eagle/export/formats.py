@@ -120,7 +120,11 @@ def _rope_fields(cfg: HeadConfig) -> dict[str, Any]:
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     return {
         "rope_theta": float(params.get("rope_theta", 10000.0)),
-        "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
+        # M-RoPE (a vision-language target's `mrope_section`) is kept even with the default type: vLLM builds
+        # its draft's M-RoPE rotary from these fields, and the target's M-RoPE positions need it.
+        "rope_scaling": None
+        if scaling.get("rope_type", "default") == "default" and "mrope_section" not in scaling
+        else scaling,
         "rope_parameters": params,
     }
 

@@ -40,6 +40,27 @@ if TYPE_CHECKING:
     from eagle.export.exported import ExportedHead
 
 
+# vLLM's EAGLE-3 draft names for vision-language targets (text model types too: `HeadConfig.target_model_type` is
+# the text config's). vLLM's registry maps each to its Llama EAGLE-3 draft; the name is what makes it take the
+# draft for a multimodal target (text-only draft inputs, the target's M-RoPE positions, `rope_scaling` M-RoPE).
+VL_DRAFT_ARCHITECTURES = {
+    "qwen3_vl": "Eagle3Qwen3vlForCausalLM",
+    "qwen3_vl_text": "Eagle3Qwen3vlForCausalLM",
+    "qwen3_vl_moe": "Eagle3Qwen3vlForCausalLM",
+    "qwen3_vl_moe_text": "Eagle3Qwen3vlForCausalLM",
+    "qwen2_5_vl": "Eagle3Qwen2_5vlForCausalLM",
+    "qwen2_5_vl_text": "Eagle3Qwen2_5vlForCausalLM",
+}
+
+
+def vllm_draft_architecture(cfg: HeadConfig, format_name: str, default: str) -> str:
+    """The `architectures` entry: `default` (the algorithm's), or for an EAGLE-3 head of a vision-language
+    target exported for vLLM, vLLM's VL draft name."""
+    if format_name == "vllm" and cfg.algorithm == "eagle3":
+        return VL_DRAFT_ARCHITECTURES.get(cfg.target_model_type, default)
+    return default
+
+
 class ExportFormat:
     """A format eagle writes. Subclasses set the names and override what their folders do differently."""
 
@@ -55,7 +76,7 @@ class ExportFormat:
         """config.json: the one-layer Llama config the engines build the draft layer from, the algorithm's
         architecture and fields for this format, and our own block (the canonical HeadConfig)."""
         out = llama_layer_config(cfg, dtype)
-        out["architectures"] = [algo.architectures[self.name]]
+        out["architectures"] = [vllm_draft_architecture(cfg, self.name, algo.architectures[self.name])]
         out.update(algo.config_fields(cfg, self.name))
         out[EXPORT_META_KEY] = export_meta(cfg, self.name)
         return out

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from eagle.config import ConfigError, TargetConfig
 from eagle.errors import TargetError
 from eagle.target.cpu_gemm import apply_cpu_gemm
+from eagle.target.multimodal import auto_model_class
 from eagle.target.precision import dtype_name, resolve_dtype
 from eagle.target.resolve import resolve_target_path
 from eagle.target.structure import text_config
@@ -119,7 +120,8 @@ def load_weights(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> Any:
     """The target's HF model from `resolved` (see `resolve_target_path`) on the CPU, eval mode, no grads."""
     try:
         config = AutoConfig.from_pretrained(resolved, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
+        # A vision-language checkpoint loads with its vision tower (eagle.target.multimodal).
+        model = auto_model_class(config).from_pretrained(
             resolved,
             config=config,
             revision=cfg.revision,

@@ -92,7 +92,12 @@ class Eagle3(Algorithm):
         "hf": "LlamaForCausalLMEagle3",
         "llamacpp": "LlamaForCausalLMEagle3",
     }
-    known_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+    known_architectures: ClassVar[tuple[str, ...]] = (
+        "LlamaForCausalLMEagle3",
+        "Eagle3LlamaForCausalLM",
+        "Eagle3Qwen3vlForCausalLM",  # vLLM's names of the same draft for vision-language targets
+        "Eagle3Qwen2_5vlForCausalLM",
+    )
     speculators_model_type: ClassVar[str | None] = "eagle3"
     vllm_method: ClassVar[str] = "eagle3"
     sglang_algorithm: ClassVar[str] = "EAGLE3"
