@@ -3,8 +3,9 @@
 an engine once and runs for minutes). Each test gets its engine's venv from a fixture (scripts/engine_venv.sh,
 cached under ${EAGLE_CACHE:-~/.cache/eagle}/venvs), runs the check script on the shipped head, and passes when
 the script prints PASS: greedy output identical with and without the head (vLLM, llama.cpp), the same draft
-logits (speculators), the same capture (vLLM). The scripts stay runnable by hand: `tests/engines/check_vllm.sh
-HEAD` (their headers list the CHECK_* settings). ENGINE_HEAD=DIR checks another head."""
+logits (speculators), the same capture (vLLM), the same training from vLLM servers as from a capture (vLLM
+stream). The scripts stay runnable by hand: `tests/engines/check_vllm.sh HEAD` (their headers list the CHECK_*
+settings). ENGINE_HEAD=DIR checks another head."""
 
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ def test_vllm_serves_the_head_with_the_same_greedy_output(vllm_venv):
 
 def test_vllm_captures_what_transformers_captures(vllm_venv):
     _check("check_vllm_capture.sh", timeout=3600, CHECK_STOCK="0", CHECK_CONVERSATIONS="8")
+
+
+def test_vllm_stream_trains_what_the_vllm_capture_trains(vllm_venv):
+    """train.mode=stream from two real vLLM servers, one killed mid-run: the offline run's step losses."""
+    _check("check_vllm_stream.sh", timeout=3600, CHECK_CONVERSATIONS="24", CHECK_STEPS="8", CHECK_ONE_SERVER="0")
 
 
 def test_speculators_loads_the_export_and_computes_the_same_logits(speculators_venv):
