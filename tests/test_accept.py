@@ -24,6 +24,7 @@ from eagle.decode.accept import (
 from eagle.decode.generator import SpeculativeGenerator
 from eagle.decode.tree import retrieval_paths
 from tests.support.decode import random_head
+from tests.tiny_models import STATE_FAMILIES, make_config
 
 # Tiny models are latency-bound: one torch thread (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -199,7 +200,8 @@ def test_tree_walk_has_the_law_of_multi_draft_rejection():
 
 
 def _vocab8_target(family: str = "llama"):
-    """An 8-token target (Llama, or a hybrid Qwen3.5 with one linear-attention and one full layer)."""
+    """An 8-token target (Llama, a hybrid Qwen3.5 with one linear-attention and one full layer, or one of
+    the tiny STATE_FAMILIES)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
     common = dict(
@@ -226,6 +228,9 @@ def _vocab8_target(family: str = "llama"):
             linear_num_value_heads=2,
             layer_types=["linear_attention", "full_attention"],
         )
+    elif family in STATE_FAMILIES:  # the tiny family's own layer pattern over 8 tokens
+        cfg = make_config(family, vocab_size=8)
+        cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = None
     else:
         cfg = LlamaConfig(**common)
     torch.manual_seed(3)

@@ -247,6 +247,10 @@ def _more_config(family: str, common: dict, num_layers: int):
             v_head_dim=16,
             tie_word_embeddings=False,
         )
+    if family in PER_LAYER_FAMILIES:
+        return _per_layer_config(family, common, num_layers)
+    if family in STATE_FAMILIES:
+        return _state_config(family, common, num_layers)
     raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MORE_FAMILIES}")
 
 
@@ -278,6 +282,70 @@ def save_model(family: str, folder: Path, seed: int = 0, **kw) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+# Issue #51, Gemma 4 and DeepSeek-V4 (tests/test_families.py runs them through every stage):
+# | family      | model class            | notable config                                                  | template      |
+# | gemma4      | Gemma4ForCausalLM      | per-layer config (full layers: 32-wide heads, 1 KV head, keys    | <start_of_turn> |
+# |             |                        | as values; sliding: 16-wide, 2 KV heads), KV-sharing last layers, |               |
+# |             |                        | per-layer input embeddings, proportional RoPE                    |               |
+# | deepseek_v4 | DeepseekV4ForCausalLM  | 2 hyper-connection residual streams, sliding + compressed (CSA,   | DeepSeek turns |
+# |             |                        | HCA) attention, hash-routed and routed MoE; eager only            |               |
+PER_LAYER_FAMILIES = ("gemma4", "deepseek_v4")
+TEMPLATES["gemma4"] = TEMPLATES["gemma3"]
+TEMPLATES["deepseek_v4"] = TEMPLATES["deepseek_v3"]
+
+
+def _per_layer_config(family: str, common: dict, num_layers: int):
+    """The configs of PER_LAYER_FAMILIES: small, but with every part that sets the family apart."""
+    from transformers import DeepseekV4Config, Gemma4TextConfig
+
+    layer_types = ["sliding_attention", "full_attention"] * (num_layers // 2)
+    if family == "gemma4":
+        return Gemma4TextConfig(
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"},
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=32,  # full-attention layers' head_dim (a per-layer attribute)
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,  # full-attention layers' KV heads (per layer too)
+            num_kv_shared_layers=2,  # the last two layers read the KV of the last unshared layer of their type
+            sliding_window=8,
+            layer_types=layer_types,
+            vocab_size_per_layer_input=common["vocab_size"],
+            hidden_size_per_layer_input=8,
+        )
+    if family == "deepseek_v4":
+        return DeepseekV4Config(
+            vocab_size=common["vocab_size"],
+            hidden_size=common["hidden_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            partial_rotary_factor=0.25,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            hc_mult=2,
+            sliding_window=8,
+            # Compression every 4 / 8 tokens, so a test prompt already emits compressed entries.
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=4,
+            layer_types=(
+                ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * num_layers
+            )[:num_layers],
+            mlp_layer_types=["hash_moe"] + ["moe"] * (num_layers - 1),
+            max_position_embeddings=common["max_position_embeddings"],
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"unknown family {family!r}; known: {PER_LAYER_FAMILIES}")
 
 
 # Issue #51, vision-language targets (tests/test_vl.py runs it through every stage with image prompts):
@@ -394,3 +462,62 @@ def write_images(folder: Path) -> list[Path]:
         paths.append(folder / f"image{k}.png")
         Image.fromarray(pixels).save(paths[-1])
     return paths
+
+
+# Issue #51, the families whose layers keep states the decoder must roll back (eagle.decode.cache): Mamba2
+# and MoE/MLP-only layers (Nemotron-H), attention and Mamba2 side by side in every layer (Falcon-H1), short
+# convolutions with full (LFM2) or full and sliding attention (LFM3). Four layers each; every kind of layer
+# the family has appears at least once.
+STATE_FAMILIES = ("nemotron_h", "falcon_h1", "lfm2", "lfm3")
+for _family in STATE_FAMILIES:
+    TEMPLATES[_family] = (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>")
+
+
+def _state_config(family: str, common: dict, num_layers: int):
+    """The configs of STATE_FAMILIES (num_layers 4: the layer-type lists are written out)."""
+    from transformers import FalconH1Config, Lfm2Config, Lfm3Config, NemotronHConfig
+
+    if family == "nemotron_h":  # Mamba2, an MoE-only layer, attention, an MLP-only layer
+        return NemotronHConfig(
+            **{k: v for k, v in common.items() if k != "num_hidden_layers"},
+            head_dim=16,
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"][:num_layers],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            expand=1,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        )
+    if family == "falcon_h1":  # every layer: attention and Mamba2 in parallel
+        return FalconH1Config(
+            **common,
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+        )
+    if family == "lfm2":
+        return Lfm2Config(
+            **common, tie_word_embeddings=False, layer_types=["conv", "full_attention"] * (num_layers // 2)
+        )
+    if family == "lfm3":
+        return Lfm3Config(
+            **common,
+            pad_token_id=0,  # its defaults lie outside a tiny vocabulary (make_model sets the tokenizer's)
+            bos_token_id=1,
+            eos_token_id=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=(["conv", "sliding_attention", "conv", "full_attention"] * num_layers)[:num_layers],
+        )
+    raise ValueError(f"unknown family {family!r}")
