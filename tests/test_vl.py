@@ -134,6 +134,7 @@ def test_capture_holds_features_at_image_positions(vl):
     assert torch.isfinite(tensors["aux_hidden"]).all() and torch.isfinite(tensors["final_hidden"]).all()
 
 
+@pytest.mark.slow  # two trainings and an evaluation
 def test_every_stage_with_image_prompts(vl, tmp_path):
     root = vl["root"]
     offline = train(compose(vl["base"] + train_overrides(tmp_path / "offline", root / "capture", steps=2)))
