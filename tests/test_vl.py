@@ -38,6 +38,7 @@ from eagle.evaluate.baselines import hf_generate
 from eagle.evaluate.runner import prompt_vision, turn_inputs
 from eagle.export import export_head
 from eagle.export.validate import check_folder
+from eagle.regenerate.runner import run_regenerate
 from eagle.target.loading import load_target
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, random_head
@@ -219,6 +220,13 @@ def test_bad_images_name_the_record(vl, tmp_path):
     fine = {"id": "r4", **_messages_with_image(vl["images"] / "image0.png", "hi")}
     message = _error_of(tmp_path, fine, text_target)
     assert "'r4'" in message and "text-only" in message
+    # Regeneration sends text: a conversation with images is refused, not silently stripped of them.
+    (tmp_path / "ok.jsonl").write_text(
+        json.dumps({"id": "r5", **_messages_with_image(vl["images"] / "image0.png", "hi")})
+    )
+    regen = [f"target.path={vl['target']}", "data=local", f"data.path={tmp_path / 'ok.jsonl'}", "data.dedup_against=[]"]
+    with pytest.raises(DataError, match="'r5' holds images: eagle-regenerate"):
+        run_regenerate(compose([*regen, f"output_dir={tmp_path / 'regen'}", "device=cpu"]))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "q", "prompt": "hi", "images": ["missing.png"]}) + "\n")
     with pytest.raises(DataError, match="line 1.*does not exist"):

@@ -188,7 +188,8 @@ def run_prompt(
         if temperature == 0 and "hf_generate" in methods:
             record["first_mismatch"] = first_mismatch(spec, methods["hf_generate"]["tokens"])
             record["greedy_match"] = record["first_mismatch"] is None
-            if record["first_mismatch"] is not None and divergence is not None:
+            # The float32 recheck runs the target on ids alone: not for a prompt with images.
+            if record["first_mismatch"] is not None and divergence is not None and vision is None:
                 record["divergence"] = divergence(
                     input_ids, spec, methods["hf_generate"]["tokens"], record["first_mismatch"]
                 )

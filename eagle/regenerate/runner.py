@@ -17,8 +17,10 @@ from tqdm.auto import tqdm
 from eagle.config import DataConfig, RegenerateConfig, RootConfig
 from eagle.data.dataset import load_conversations
 from eagle.data.harmony import HarmonyRenderer, renderer_for
+from eagle.data.images import message_images
 from eagle.data.records import Conversation
 from eagle.data.template import end_of_turn_ids
+from eagle.errors import DataError
 from eagle.regenerate.job import check_reasoning_setting
 from eagle.regenerate.local import LocalBackend
 from eagle.regenerate.output import check_meta, data_identity, default_output, recover_output, settings_record
@@ -112,6 +114,12 @@ def run_regenerate(cfg: RootConfig) -> Path:
         target, tokenizer, info = load_target(cfg.target, device=device, stage="regenerate")
         fingerprint, dtype = info.fingerprint, info.dtype
     conversations, stats = load_conversations(cfg.data)
+    with_images = next((c.id for c in conversations if message_images(c.messages)), None)
+    if with_images is not None:  # the backends send text: an image would silently drop out of the prompt
+        raise DataError(
+            f"conversation {with_images!r} holds images: eagle-regenerate replays text conversations only; train "
+            "a vision-language target's head on its data as it is (eagle-capture / train.mode=online)"
+        )
     print(stats.summary(), file=sys.stderr)
     output = default_output(cfg.output_dir, cfg.regenerate)
     regenerate(
