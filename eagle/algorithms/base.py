@@ -16,7 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -87,6 +87,18 @@ def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor
     }
 
 
+HeadT = TypeVar("HeadT", bound=DraftHead)
+
+
+def own_head(head: DraftHead, cls: type[HeadT]) -> HeadT:
+    """`head` as its algorithm's head class `cls`: every head an algorithm's methods are given was built
+    from that algorithm's `head_class` (or a subclass: P-EAGLE's head is an EAGLE-3 head), so this
+    narrows the type and refuses, by name, a head of another algorithm."""
+    if not isinstance(head, cls):
+        raise TypeError(f"a {cls.__name__} is needed here, got {type(head).__name__}")
+    return head
+
+
 def token_norms(counts: list[torch.Tensor], norms: torch.Tensor | None) -> list[torch.Tensor]:
     """Per unroll step, the token count a loss is divided by: the trainer's global one when given
     (so the gradient is the mean over the whole global batch), else this batch's own (at least 1)."""
@@ -109,9 +121,10 @@ def unrolled_soft_ce(
     as (objective, step sums, raw result)."""
     steps = len(step_logits)
     r = eagle3_loss_packed(step_logits, target_logits, step_rows, t2d, d2t, decay, loss)
-    counts = [c.float() for c in r.step_counts]  # 0-d tensors, as `step_masks` counts them
+    counts = [torch.as_tensor(c).float() for c in r.step_counts]  # 0-d tensors, as `step_masks` counts them
     n = token_norms(counts, norms)
-    objective = sum(decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps))
+    terms = [decay**i * r.step_losses[i] * (counts[i] / n[i]) for i in range(steps)]
+    objective = sum(terms[1:], terms[0])  # steps >= 1
     step_loss = [x.detach() * c for x, c in zip(r.step_losses, counts, strict=True)]
     step_correct = [(x * c).round() for x, c in zip(r.step_accuracy, counts, strict=True)]
     return objective, step_loss, step_correct, counts, r

@@ -64,6 +64,15 @@ class HeadConfig:
     num_layers: int = 1
     mask_token_id: int | None = None
 
+    def block_mask_id(self) -> int:
+        """`mask_token_id` of a block drafter (DFlash, P-EAGLE), which `head_io` always sets when it
+        builds one; a config without it cannot fill draft positions and is refused by name."""
+        if self.mask_token_id is None:
+            raise ConfigError(
+                f"this {self.algorithm} head's config has no mask_token_id to fill its draft positions with"
+            )
+        return self.mask_token_id
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
@@ -88,6 +97,16 @@ class CausalLM(Protocol):
     def get_input_embeddings(self) -> nn.Module: ...
 
     def get_output_embeddings(self) -> nn.Module: ...
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """`module.weight` as a tensor: the target's LM head or embedding a head borrows (nn.Linear /
+    nn.Embedding, or a transformers module with a `weight` Parameter). nn.Module types attributes as
+    Tensor | Module; a module whose `weight` is not a tensor is refused by name."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor (got {type(weight).__name__})")
+    return weight
 
 
 class DraftHead(nn.Module, ABC):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from eagle.config import ConfigError
-from eagle.heads.layers import DecoderLayer
+from eagle.heads.layers import DecoderLayer, RMSNorm
 from eagle.target.structure import decoder_layer_stacks, text_config
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def effective_gain(norm: nn.Module, width: int, like: torch.Tensor) -> torch.Ten
         return norm(torch.ones(1, width, dtype=p.dtype, device=p.device))[0].to(like)
 
 
-def target_final_norm(target_model: nn.Module) -> nn.Module | None:
+def target_final_norm(target_model: object) -> nn.Module | None:
     """The norm in front of the target's LM head (`norm`, Llama naming; `final_layernorm` /
     `final_norm` elsewhere) of its decoder stack, or None where the family has none of these."""
     get_decoder = getattr(target_model, "get_decoder", None)
@@ -109,7 +109,8 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
                 key = f"{name}.{kind}"
                 if key not in own or key not in source:
                     continue
-                dst, src = own[key], source[key].to(own[key])
+                dst: torch.Tensor = own[key]  # a view of the Parameter for the fused half: copied in place
+                src = source[key].to(dst)
                 if draft.fused_input and name in _FUSED and kind == "weight":
                     dst = dst[:, dst.shape[1] - src.shape[1] :]  # [out, H] hidden half of [out, 2H]
                 if dst.shape != src.shape:
@@ -125,14 +126,14 @@ def copy_target_layer(draft: DecoderLayer, target_layer: nn.Module) -> list[str]
         mlp_norm_name = next(
             (n for n in ("pre_feedforward_layernorm", "post_attention_layernorm") if n in modules), None
         )
-        pairs = [(mlp_norm_name, draft.post_attention_layernorm)]
+        pairs: list[tuple[str | None, RMSNorm]] = [(mlp_norm_name, draft.post_attention_layernorm)]
         if draft.fused_input:
             pairs.append(("input_layernorm", draft.hidden_norm))
-        for name, dst_norm in pairs:
-            if name is None or name not in modules:
+        for norm_name, dst_norm in pairs:
+            if norm_name is None or norm_name not in modules:
                 continue
-            dst_norm.weight.copy_(effective_gain(modules[name], width, dst_norm.weight))
-            used.update(f"{name}.{p}" for p, _ in modules[name].named_parameters())
+            dst_norm.weight.copy_(effective_gain(modules[norm_name], width, dst_norm.weight))
+            used.update(f"{norm_name}.{p}" for p, _ in modules[norm_name].named_parameters())
     left = sorted(set(source) - used)
     if left:
         log.info(

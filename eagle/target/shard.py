@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from eagle.config import ConfigError, TargetConfig
 from eagle.errors import EagleError, TargetError
@@ -103,7 +103,8 @@ def _keep_output_capture(decoder: nn.Module) -> None:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # versions without the registry read the class attribute, which the subclass inherits
         return
-    _CAN_RECORD_REGISTRY[decoder] = getattr(decoder, "_can_record_outputs", None)
+    # The registry keys on the model's class alone (str(model.__class__)), which any module has.
+    _CAN_RECORD_REGISTRY[cast(PreTrainedModel, decoder)] = getattr(decoder, "_can_record_outputs", None)
 
 
 @contextlib.contextmanager
@@ -123,7 +124,7 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
         module.reshard()
 
 
-def _skeleton(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> nn.Module:
+def _skeleton(cfg: TargetConfig, resolved: str, dtype: torch.dtype) -> PreTrainedModel:
     """The target's model with parameters on the `meta` device (no memory) and real buffers (rotary
     frequencies and other values computed at construction, which no checkpoint holds)."""
     try:
@@ -183,7 +184,7 @@ def load_sharded_target(
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])  # not in a state dict when non-persistent; to_empty left them uninitialised
-    full = _full_state_on_rank0(cfg, resolved, dtype)
+    full: dict[str, Any] = _full_state_on_rank0(cfg, resolved, dtype)  # set_model_state_dict takes dict[str, ValueType]
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     model.tie_weights()  # to_empty gave tied weights a copy each; tie them again where the config ties them

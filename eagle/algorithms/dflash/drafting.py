@@ -19,7 +19,7 @@ def block_log_probs(head: DraftHead, cache, root_token: int, root_position: int)
     """[Q - 1, V] log-probabilities of the block_size - 1 tokens after the root."""
     q_len = head.config.block_size
     device = next(head.parameters()).device
-    ids = torch.full((1, q_len), head.config.mask_token_id, dtype=torch.long, device=device)
+    ids = torch.full((1, q_len), head.config.block_mask_id(), dtype=torch.long, device=device)
     ids[0, 0] = root_token
     pos = torch.arange(root_position, root_position + q_len, device=device)[None]  # [1, Q]
     out = head(ids, None, pos, attention_mask=None, past_key_values=cache)  # [1, Q, H]

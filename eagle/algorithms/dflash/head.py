@@ -21,7 +21,7 @@ emitted), so its block reads the context f_0..f_{a-1} and drafts x_{a+1}..x_{a+Q
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +179,8 @@ class DFlashHead(BorrowsTargetOutput, DraftHead):
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys and values [B, nkv, S, D] of the fused context [B, S, H] at `positions` [B, S]."""
         cos, sin = self.rotary_emb(positions, context.dtype)
-        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+        layers = cast("list[DFlashLayer]", list(self.layers))  # __init__ fills it with DFlashLayer only
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in layers]
 
     # --- decoding (`DraftHead`): the cache holds the context only; a block is never cached ------
     def new_draft_cache(self) -> DFlashContextCache:

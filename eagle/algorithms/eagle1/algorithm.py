@@ -28,7 +28,7 @@ from eagle.algorithms.losses import add_feature_noise, eagle1_loss, packed_posit
 from eagle.algorithms.ttt import ttt_forward
 from eagle.config import DraftConfig, TrainConfig
 from eagle.errors import ExportError
-from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.base import DraftHead, HeadConfig, weight_of
 
 # Formats whose EAGLE-1 model builds fc without a bias (vLLM's EagleLlamaForCausalLM); SGLang's has one.
 _NO_FC_BIAS = ("vllm",)
@@ -87,7 +87,7 @@ class Eagle1(Algorithm):
             next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
         mask = a["loss_mask"] & a["valid"]
         if s.steps == 1:
-            r = eagle1_loss(outs[0], next_feature, lm_head.weight, mask, s.feature_weight, s.token_weight)
+            r = eagle1_loss(outs[0], next_feature, weight_of(lm_head), mask, s.feature_weight, s.token_weight)
             count = torch.tensor(float(r.count), device=r.loss.device)  # eagle1_loss syncs anyway: it chunks by count
             objective = r.loss * (count / token_norms([count], norms)[0])
             return LossParts(
@@ -102,7 +102,7 @@ class Eagle1(Algorithm):
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
         step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, V]
         with torch.no_grad():
-            target_logits = lm_head(next_feature[labels].to(lm_head.weight.dtype))  # [N, V]
+            target_logits = lm_head(next_feature[labels].to(weight_of(lm_head).dtype))  # [N, V]
         v = target_logits.shape[-1]
         t2d = torch.ones(v, dtype=torch.bool, device=target_logits.device)
         d2t = torch.zeros(v, dtype=torch.long, device=target_logits.device)

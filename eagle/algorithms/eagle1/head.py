@@ -11,12 +11,12 @@ Layer 0 has no input norm, as vLLM's EagleLlamaForCausalLM expects.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
-from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig
+from eagle.heads.base import BorrowedModules, BorrowsTargetOutput, DraftHead, HeadConfig, weight_of
 from eagle.heads.layers import DecoderLayer, RotaryEmbedding
 from eagle.heads.target_layer import copy_target_layer
 
@@ -52,7 +52,7 @@ class Eagle1Head(BorrowsTargetOutput, DraftHead):
         """The decoder layer from `target_layer` (`copy_target_layer`), and `fc` as a pass-through of
         the target feature (embedding half and bias zero), so the copied layer starts on the target's
         own state."""
-        left = copy_target_layer(self.layers[0], target_layer)
+        left = copy_target_layer(cast(DecoderLayer, self.layers[0]), target_layer)  # __init__: one DecoderLayer
         h = self.config.hidden_size
         with torch.no_grad():
             self.fc.weight.zero_()  # [H, 2H]: cat(embed, feature)
@@ -83,4 +83,4 @@ class Eagle1Head(BorrowsTargetOutput, DraftHead):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lm_head = self.target_lm_head
-        return lm_head(hidden.to(lm_head.weight.dtype))  # [B, T, V]
+        return lm_head(hidden.to(weight_of(lm_head).dtype))  # [B, T, V]

@@ -17,11 +17,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, unrolled_soft_ce
+from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, own_head, unrolled_soft_ce
 from eagle.algorithms.eagle3.head import Eagle3Head
 from eagle.algorithms.losses import packed_positions, shift_left
 from eagle.algorithms.ttt import ttt_forward
-from eagle.heads.base import DraftHead, HeadConfig
+from eagle.heads.base import DraftHead, HeadConfig, weight_of
 
 _SPECULATORS_PREFIX, _OURS_PREFIX = "layers.0.", "midlayer."
 # Formats that store the decoder layer under another prefix than ours (vLLM renames midlayer. itself).
@@ -113,8 +113,10 @@ class Eagle3(Algorithm):
         cfg = head.config
         if cfg.draft_vocab_size >= cfg.vocab_size or getattr(lm_head, "bias", None) is not None:
             return None
-        ids = torch.arange(cfg.draft_vocab_size, device=head.d2t.device) + head.d2t  # [Vd] target ids
-        return lm_head.weight.detach()[ids.to(lm_head.weight.device)].to(head.d2t.device)  # [Vd, H]
+        d2t = own_head(head, Eagle3Head).d2t
+        weight = weight_of(lm_head)
+        ids = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t  # [Vd] target ids
+        return weight.detach()[ids.to(weight.device)].to(d2t.device)  # [Vd, H]
 
     def forward_loss(
         self,
@@ -156,7 +158,8 @@ class Eagle3(Algorithm):
         x_{t+2}, from f_{t+1}), the t2d / d2t maps that compare them with the head's draft ids)."""
         next_feature = shift_left(batch["final_hidden"], 1)[labels]  # [N, H] f_{t+1} at the labels
         if label_rows is None:
-            return lm_head(next_feature.to(lm_head.weight.dtype)), head.t2d, head.d2t  # [N, V]
+            own = own_head(head, Eagle3Head)
+            return lm_head(next_feature.to(weight_of(lm_head).dtype)), own.t2d, own.d2t  # [N, V]
         # Soft labels from the draft vocabulary's LM-head rows only (Vd instead of V columns): the same
         # renormalised target distribution; accuracy is then against the target's best draft-vocabulary
         # token (equal to the full top-1 whenever that is in the draft vocab).

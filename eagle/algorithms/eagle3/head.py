@@ -111,9 +111,10 @@ class Eagle3Head(DraftHead):
             )
         if target_model is not None:
             out = target_model.get_output_embeddings()
-            if out is not None and out.weight.shape[0] >= cfg.vocab_size:
+            weight = getattr(out, "weight", None)  # [V, H] the target's LM head (None: it has none)
+            if isinstance(weight, torch.Tensor) and weight.shape[0] >= cfg.vocab_size:
                 with torch.no_grad():
-                    rows = out.weight[: cfg.vocab_size][self.t2d.to(out.weight.device)]  # [Vd, H]
+                    rows = weight[: cfg.vocab_size][self.t2d.to(weight.device)]  # [Vd, H]
                     self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
 
     def start_from_target_layer(self, target_layer: nn.Module) -> list[str]:

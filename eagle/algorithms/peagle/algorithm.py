@@ -29,6 +29,7 @@ from eagle.algorithms.base import (
     LossParts,
     LossSettings,
     aligned_inputs,
+    own_head,
     unroll_decay,
     unrolled_soft_ce,
 )
@@ -184,8 +185,10 @@ class PEagle(Eagle3):
         b, t = a["valid"].shape
         n_slots = anchor.shape[1]
         hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
-        slot_hidden = head.slot_hidden(b * n_slots).view(b, n_slots, -1).to(hidden0.dtype)  # [B, S, H]
-        ids = torch.cat([a["input_ids"], torch.full_like(anchor, head.config.mask_token_id)], dim=1)  # [B, T + S]
+        slot_hidden = (
+            own_head(head, PEagleHead).slot_hidden(b * n_slots).view(b, n_slots, -1).to(hidden0.dtype)
+        )  # [B, S, H]
+        ids = torch.cat([a["input_ids"], torch.full_like(anchor, head.config.block_mask_id())], dim=1)  # [B, T + S]
         pos = torch.cat([torch.arange(1, t + 1, device=ids.device).expand(b, t), anchor.clamp(min=0) + 1 + depth], 1)
         mask = parallel_attention_mask(a["valid"], anchor, depth)  # [B, 1, T + S, T + S]
         out = head(ids, torch.cat([hidden0, slot_hidden], dim=1), pos, attention_mask=mask)  # [B, T + S, H]

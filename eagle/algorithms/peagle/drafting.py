@@ -8,10 +8,18 @@ target ids (`eagle.decode.block`).
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 
 from eagle.decode.cache import cache_length, crop_cache
 from eagle.heads.base import DraftHead
+
+
+class ParallelSlots(Protocol):
+    """P-EAGLE's head (`PEagleHead`), as the drafting step reads it: the projected feature of n slots."""
+
+    def slot_hidden(self, n: int) -> torch.Tensor: ...
 
 
 def draft_to_target_log_probs(head: DraftHead, logits: torch.Tensor) -> torch.Tensor:
@@ -32,9 +40,10 @@ def parallel_log_probs(head: DraftHead, cache, root_hidden: torch.Tensor, root_p
     k = head.config.block_size
     device = root_hidden.device
     committed = cache_length(cache)
-    ids = torch.full((1, k - 1), head.config.mask_token_id, dtype=torch.long, device=device)
+    ids = torch.full((1, k - 1), head.config.block_mask_id(), dtype=torch.long, device=device)
     pos = torch.arange(root_position + 1, root_position + k, device=device)[None]  # [1, K-1]
-    hidden = head.slot_hidden(k - 1).to(root_hidden.dtype)[None]  # [1, K-1, H]
+    slots = cast(ParallelSlots, head)  # PEagleHead.draft_block, the one caller, passes itself
+    hidden = slots.slot_hidden(k - 1).to(root_hidden.dtype)[None]  # [1, K-1, H]
     out = head(ids, hidden, pos, attention_mask=None, past_key_values=cache)[0]  # [K-1, H], causal
     crop_cache(cache, committed)
     return draft_to_target_log_probs(head, head.logits(torch.cat([root_hidden[None], out])[None])[0])  # [K, V]
