@@ -397,8 +397,8 @@ class LoggerConfig:
 class RootConfig:
     output_dir: str = "outputs/run"
     device: str | None = None  # None: accelerate's choice (cpu here)
-    # eagle-export / eagle-publish: vllm | sglang | speculators | hf | llamacpp (docs/serving.md); the names are
-    # eagle.export.registry.FORMATS, checked when those stages start.
+    # eagle-export / eagle-publish: vllm | sglang | speculators | hf | llamacpp | transformers (docs/serving.md);
+    # the names are eagle.export.registry.FORMATS, checked when those stages start.
     format: str = "hf"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -60,6 +60,8 @@ REFUSED = {
         r"EAGLE-1 model"
     ],
     ("llamacpp", "eagle1"): [r"format=llamacpp cannot express an EAGLE-1 head \(llama\.cpp b11434 has no EAGLE-1"],
+    # transformers' generate has a drafter class for DFlash only (tests/test_transformers_dflash.py).
+    **{("transformers", v): [r"format=transformers cannot express an EAGLE-(3|1) head"] for v in VARIANTS},
 }
 CASES = [(fmt, variant) for fmt in FORMATS for variant in VARIANTS]
 

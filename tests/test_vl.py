@@ -31,6 +31,7 @@ from eagle.config import TargetConfig
 from eagle.data.dataset import build_splits
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
 from eagle.data.records import normalise_record
+from eagle.data.template import tokenize_with_reason
 from eagle.decode import SpeculativeGenerator, autoregressive_generate
 from eagle.errors import DataError
 from eagle.evaluate import evaluate
@@ -254,3 +255,31 @@ def test_a_bad_image_exits_with_status_2(vl, tmp_path):
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "id 'r9'" in run.stderr and "does not exist" in run.stderr
+
+
+def test_a_cut_never_splits_an_image(vl):
+    """data.max_length inside an image's tokens: the cut moves before the image, which is dropped with its tokens."""
+    tok = AutoTokenizer.from_pretrained(vl["target"])
+    image = str(vl["images"] / "image2.png")  # 90 x 50: 6 image tokens
+    record = {
+        "id": "cut",
+        "messages": [
+            {"role": "user", "content": "Explain relativity"},
+            {"role": "assistant", "content": "The quick brown fox."},
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "And this?"}],
+            },
+            {"role": "assistant", "content": "A dog."},
+        ],
+    }
+    conv = normalise_record(record, index=0, source="x")
+    whole, _ = tokenize_with_reason(conv, tok, 512, "truncate")
+    assert whole is not None and whole.images == (image,)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    first = whole.input_ids.index(image_id)
+    assert whole.input_ids[first : first + 6] == [image_id] * 6
+    cut, _ = tokenize_with_reason(conv, tok, first + 3, "truncate")
+    assert cut is not None and cut.truncated and cut.images == () and cut.input_ids == whole.input_ids[:first]
+    kept, _ = tokenize_with_reason(conv, tok, first + 7, "truncate")
+    assert kept is not None and kept.images == (image,) and len(kept.input_ids) == first + 7

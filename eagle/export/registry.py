@@ -12,6 +12,7 @@ engines). How each algorithm's tensors are named and configured per format is th
 | speculators | speculators, vLLM              | the target's embedding; verifier in config  | speculators  |
 | hf          | eagle                          | head_config.json                            | eagle        |
 | llamacpp    | llama.cpp (after converting)   | LLAMACPP.md (convert + serve commands)      | vllm         |
+| transformers| transformers' `generate`       | - (the library class's own config)          | transformers |
 """
 
 from __future__ import annotations
@@ -286,8 +287,47 @@ class LlamaCppFormat(VLLMFormat):
         return [f"  llama.cpp: the convert and llama-server commands are in {head.folder / LLAMACPP_FILE}"]
 
 
+class TransformersFormat(ExportFormat):
+    """A folder transformers' own `generate` runs: for a DFlash head, transformers' DFlash drafter class
+    (config and names are the algorithm's: `Algorithm.config_fields` / `export_tensor_name`), loaded by plain
+    `AutoModel.from_pretrained` and run with `speculation_type="dflash"` (eagle/export/hf_assistant.py)."""
+
+    name = "transformers"
+    engine = "transformers"
+    library = "transformers"
+
+    def config(self, cfg, algo, dtype, verifier, speculative_tokens):
+        return {
+            **algo.config_fields(cfg, self.name),  # the library class's whole config, no Llama layer config
+            "architectures": [algo.architectures[self.name]],
+            "torch_dtype": dtype,
+            EXPORT_META_KEY: export_meta(cfg, self.name),
+        }
+
+    def usage(self, algo, target, repo, speculative_tokens, head):
+        return [
+            "```python",
+            "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+            f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+            f'drafter = AutoModel.from_pretrained("{repo}")',
+            'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,',
+            '                                       return_tensors="pt", return_dict=True)',
+            'out = target.generate(**inputs, assistant_model=drafter, speculation_type="dflash", max_new_tokens=128)',
+            "```",
+        ]
+
+    def summary(self, head):
+        return [
+            f"  transformers: AutoModel.from_pretrained({head.folder}) is its DFlash drafter; "
+            'target.generate(..., assistant_model=drafter, speculation_type="dflash")'
+        ]
+
+
 FORMATS: dict[str, ExportFormat] = {
-    f.name: f for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(), HFFormat(), LlamaCppFormat())
+    f.name: f
+    for f in (VLLMFormat(), SGLangFormat(), SpeculatorsFormat(), HFFormat(), LlamaCppFormat(), TransformersFormat())
 }
 
 
