@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms.base import Algorithm, LossParts, LossSettings, own_head, token_norms
+from eagle.algorithms.dflash import transformers_drafter
 from eagle.algorithms.dflash.head import DFlashHead
 from eagle.algorithms.objectives import dpace_weights, position_weights, token_losses
 from eagle.config import DraftConfig, TrainConfig
@@ -105,7 +106,9 @@ class DFlash(Algorithm):
     # target_layer_ids}; z-lab's layout, which llama.cpp's converter (conversion/qwen.py DFlashModel) reads too.
     # llamacpp: the vLLM folder, which llama.cpp b11434's converter reads as DFlashDraftModel (conversion/qwen.py),
     # served with --spec-type draft-dflash.
-    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf", "llamacpp")
+    # transformers: transformers' own DFlash drafter (`MuseGlimmerAssistantModel`), which its `generate` runs with
+    # speculation_type="dflash"; fc / hidden_norm under `encoder.` (eagle/algorithms/dflash/transformers_drafter.py).
+    export_formats: ClassVar[tuple[str, ...]] = ("vllm", "hf", "llamacpp", "transformers")
     format_refusals: ClassVar[dict[str, str]] = {
         "speculators": "not written yet: speculators 0.9.0 has a DFlash speculator (speculators/models/dflash) whose "
         "checkpoint names have not been mapped to eagle's; export format=vllm",
@@ -115,9 +118,10 @@ class DFlash(Algorithm):
         "vllm": "DFlashDraftModel",
         "hf": "DFlashDraftModel",
         "llamacpp": "DFlashDraftModel",
+        "transformers": transformers_drafter.ARCHITECTURE,
     }
     llamacpp_spec_type: ClassVar[str] = "draft-dflash"
-    known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
+    known_architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel", transformers_drafter.ARCHITECTURE)
     vllm_method: ClassVar[str] = "dflash"
     sglang_algorithm: ClassVar[str] = "DFLASH"
 
@@ -214,9 +218,19 @@ class DFlash(Algorithm):
                 f"aux_layer_ids={cfg.aux_layer_ids}: id 0 (the embeddings) is not a decoder layer's output, "
                 "which is what DFlash's target_layer_ids name; train with draft.aux_layer_ids >= 1"
             )
+        if check := _FORMAT_REFUSALS.get(fmt):
+            out += check(cfg)
         return out
 
+    def export_tensor_name(self, name: str, fmt: str) -> str:
+        return _STORED_NAMES.get(fmt, _same_name)(name)
+
+    def canonical_tensor_name(self, name: str) -> str:
+        return transformers_drafter.canonical_name(name)  # the other layouts use our names
+
     def config_fields(self, cfg: HeadConfig, fmt: str) -> dict[str, Any]:
+        if own := _OWN_CONFIGS.get(fmt):  # a folder whose whole config is another library's class
+            return own(cfg)
         # Qwen3-shaped draft layers (per-head q/k norms) whatever the target family, as the engines build them.
         return {
             "model_type": "qwen3",
@@ -228,3 +242,14 @@ class DFlash(Algorithm):
                 "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
             },
         }
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+# Per format (tables, not name comparisons: eagle/export/registry.py owns those): stored tensor names, a config
+# that replaces the Llama layer config, and what the format's class cannot express.
+_STORED_NAMES = {"transformers": transformers_drafter.stored_name}
+_OWN_CONFIGS = {"transformers": transformers_drafter.drafter_config}
+_FORMAT_REFUSALS = {"transformers": transformers_drafter.refusals}
