@@ -169,6 +169,9 @@ class DraftConfig:
     draft_vocab_size: int | None = 32000  # EAGLE-3 reduced vocabulary; None = full target vocab
     feature_noise_std: float = 0.0  # uniform noise on features during training (EAGLE-1 uses 0.1 spread)
     intermediate_size: int | None = None  # MLP width; None = the target's
+    # MLP activation; None = the target's. vLLM and SGLang run drafts with SiLU only: `silu` for a head
+    # of a GELU target (Gemma) that is to be served there.
+    hidden_act: str | None = None
     # EAGLE-3.1 normalisations (EAGLE-3 only; as SpecForge / speculators / vLLM name them): fc_norm =
     # one RMSNorm per aux layer before fc (the three layers' scales differ by orders of magnitude);
     # norm_output = the normed output is what the next unroll / draft step reads.

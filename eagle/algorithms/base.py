@@ -277,7 +277,7 @@ class Algorithm(ABC):
         """Why format `fmt` (one of `export_formats`) cannot serve a head of `cfg`: one reason per head
         option, each naming the option and the engine; empty when it can."""
         if cfg.hidden_act != "silu" and fmt in _SILU_ONLY:
-            return [f"hidden_act={cfg.hidden_act}: {_SILU_ONLY[fmt]}"]
+            return [f"hidden_act={cfg.hidden_act}: {_SILU_ONLY[fmt]}; train the head with draft.hidden_act=silu"]
         return []
 
     def check_exportable(self, cfg: HeadConfig, fmt: str) -> None:

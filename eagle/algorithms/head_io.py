@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+from transformers.activations import ACT2FN
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from eagle.algorithms import ALGORITHMS, get_algorithm
 from eagle.artifacts import HEAD_CONFIG, HEAD_WEIGHTS
@@ -48,7 +50,75 @@ def _rope_parameters(text: Any) -> dict[str, Any]:
     rope = dict(rope)
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", 10000.0)
+    if rope["rope_type"] == "default":
+        # The head's default RoPE rotates its whole head_dim (`eagle.heads.layers.rope_inv_freq`); a partial
+        # factor copied from the target (DeepSeek-V4: 0.125) would tell an engine reading the exported
+        # config to rotate fewer dimensions than the head was trained with.
+        rope.pop("partial_rotary_factor", None)
     return rope
+
+
+def draft_layer_index(text: Any) -> int:
+    """The target layer whose attention shape the draft layer copies, for a config whose head sizes
+    differ by layer (transformers' per-layer configs, e.g. Gemma 4: sliding layers with 256-wide
+    heads, full-attention layers with 512-wide heads and fewer KV heads).
+
+    The last full-attention layer (else the last layer): the draft attends over the whole context as
+    a full-attention layer does, and its RoPE is the full-attention one (`_rope_parameters`), whose
+    partial rotary factor is a fraction of that layer type's head_dim; sizing the heads from a sliding
+    layer would rotate a different number of dimensions than the target's full layers do."""
+    types = list(_global_attr(text, "layer_types") or [])
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    return full[-1] if full else int(_global_attr(text, "num_hidden_layers")) - 1
+
+
+def _global_attr(text: Any, name: str) -> Any:
+    """`text.name`, or None when the config does not have it (never a per-layer attribute)."""
+    try:
+        return getattr(text, name, None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return None
+
+
+def _attention_sizes(text: Any) -> dict[str, int]:
+    """The numbers a draft layer is sized by, read per layer where the config is per layer.
+
+    A config that lacks one, or holds something other than a positive integer there, stops with a
+    ConfigError naming the attribute and the family, never a raw traceback from deep in the head."""
+    family = str(_global_attr(text, "model_type") or type(text).__name__)
+    per_layer = set(_global_attr(text, "per_layer_attributes") or ())  # None for homogeneous configs
+    layer = draft_layer_index(text) if per_layer else None
+
+    def read(name: str, default: Any = None) -> Any:
+        try:
+            if name in per_layer:
+                return getattr(text.per_layer_config[layer], name, None) or default
+            return getattr(text, name, None) or default
+        except (AmbiguousGlobalPerLayerAttributeError, IndexError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"cannot size a draft head from the {family} target config: reading {name!r} failed ({e})"
+            ) from e
+
+    def need(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            where = f" of layer {layer} (per_layer_config)" if name in per_layer else ""
+            raise ConfigError(
+                f"cannot size a draft head from the {family} target config: {name}{where} is {value!r}, "
+                "expected a positive integer"
+            )
+        return value
+
+    out = {name: need(name, read(name)) for name in ("hidden_size", "vocab_size", "num_hidden_layers")}
+    out["num_attention_heads"] = need("num_attention_heads", read("num_attention_heads"))
+    out["num_key_value_heads"] = need("num_key_value_heads", read("num_key_value_heads", out["num_attention_heads"]))
+    if out["num_attention_heads"] % out["num_key_value_heads"]:
+        raise ConfigError(
+            f"cannot size a draft head from the {family} target config: num_attention_heads="
+            f"{out['num_attention_heads']} is not a multiple of num_key_value_heads={out['num_key_value_heads']}"
+        )
+    out["head_dim"] = need("head_dim", read("head_dim", out["hidden_size"] // out["num_attention_heads"]))
+    out["intermediate_size"] = need("intermediate_size", read("intermediate_size"))
+    return out
 
 
 def head_config_from_target(
@@ -64,10 +134,9 @@ def head_config_from_target(
     text = text_config(target_config)
     algo = draft_cfg.algorithm
     head_cls = get_algorithm(algo).head_class
-    hidden, vocab, layers = text.hidden_size, text.vocab_size, text.num_hidden_layers
-    n_heads = text.num_attention_heads
-    n_kv = getattr(text, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(text, "head_dim", None) or hidden // n_heads
+    sizes = _attention_sizes(text)
+    hidden, vocab, layers = sizes["hidden_size"], sizes["vocab_size"], sizes["num_hidden_layers"]
+    n_heads, n_kv, head_dim = sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"]
     draft_vocab = vocab
     aux: list[int] = []
     if head_cls.reduced_vocab:
@@ -97,6 +166,13 @@ def head_config_from_target(
             algo,
         )
     act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    if draft_cfg.hidden_act is not None:
+        if draft_cfg.hidden_act not in ACT2FN:
+            raise ConfigError(
+                f"draft.hidden_act={draft_cfg.hidden_act!r} is not an activation transformers knows "
+                "(e.g. silu, gelu_pytorch_tanh); null = the target's"
+            )
+        act = draft_cfg.hidden_act
     block: dict[str, Any] = {}
     if head_cls.drafts_block:
         mask = draft_cfg.mask_token_id if draft_cfg.mask_token_id is not None else default_mask_token_id(text)
@@ -112,7 +188,7 @@ def head_config_from_target(
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
         head_dim=head_dim,
-        intermediate_size=draft_cfg.intermediate_size or text.intermediate_size,
+        intermediate_size=draft_cfg.intermediate_size or sizes["intermediate_size"],
         hidden_act=act,
         rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
         attention_bias=bool(getattr(text, "attention_bias", False) or False),

@@ -19,6 +19,7 @@ from torch import nn
 
 from eagle.data.images import open_image
 from eagle.errors import CaptureError
+from eagle.target.features import layer_features
 from eagle.target.loading import target_errors
 from eagle.target.multimodal import VisionInputs, concat_vision, image_token_id, load_vision_processor, multimodal_model
 from eagle.target.shard import is_sharded
@@ -71,7 +72,7 @@ def extract_features(
         final = out.last_hidden_state  # [B, T, H], post final norm
         features = {"final_hidden": final}
         if aux_layer_ids:
-            states = out.hidden_states  # tuple of L + 1 tensors [B, T, H]
+            states = out.hidden_states  # tuple of L + 1 tensors [B, T, H] (DeepSeek-V4: [B, T, hc_mult, H])
             if states is None:
                 raise CaptureError(
                     f"{type(decoder).__name__} returned no hidden states for output_hidden_states=True; "
@@ -79,7 +80,8 @@ def extract_features(
                 )
             num_layers = len(states) - 1
             check_layer_ids(list(aux_layer_ids), num_layers)
-            features["aux_hidden"] = torch.stack([states[i] for i in aux_layer_ids], dim=2)  # [B, T, 3, H]
+            # [B, T, 3, H]; a hyper-connection target's stream states collapsed as the decoder collapses them
+            features["aux_hidden"] = layer_features(model, states, list(aux_layer_ids))
     return features
 
 
