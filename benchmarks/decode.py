@@ -220,7 +220,8 @@ def _bare_vs_verify(cfg, r: dict) -> dict:
     n = max(2, round(r.get("mean_tree_size") or 16) + 1)
     ctx, gen = 256, torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (ctx + n,), generator=gen)
-    cache, plan = new_cache(target.config), verify_plan(target.config)
+    plan = verify_plan(target.config)
+    cache = new_cache(target.config, plan)
     target_forward(target, ids[:ctx], torch.arange(ctx), cache, plan=plan, last_logits_only=True)
     parents = torch.arange(-1, n - 1)  # a chain: each node's parent is the previous one
     parents[n // 2 + 1 :] = torch.arange(n // 2, n - 1) - n // 2  # second half branches off the root's subtree

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{str([out_f, in_f]):<16}" + "".join(f"{c:>16}" for c in cells))
 
     ids = torch.randint(0, model.config.vocab_size, (args.context + max(args.rows),), generator=gen)
-    cache, plan = new_cache(model.config), verify_plan(model.config)
+    plan = verify_plan(model.config)
+    cache = new_cache(model.config, plan)
     target_forward(model, ids[: args.context], torch.arange(args.context), cache, plan=plan, last_logits_only=True)
 
     def forward(rows: int) -> None:

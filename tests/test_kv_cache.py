@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from eagle.decode.accept import accept_tree
 from eagle.decode.cache import keep_cache_entries
-from eagle.decode.target import new_cache, target_forward
+from eagle.decode.target import new_cache, target_forward, verify_plan
 from eagle.decode.tree import retrieval_paths, tree_mask
 
 
@@ -59,10 +61,9 @@ def test_sliding_window_is_applied_to_tree_masks():
     full = model(input_ids=seq[None]).logits[0, 90:]
     torch.testing.assert_close(out.logits, full, atol=1e-4, rtol=1e-4)
     cache2 = new_cache()
-    target_forward(model, seq[:90], torch.arange(90), cache2, windows={"sliding_attention": None})
-    no_window = target_forward(
-        model, seq[90:], torch.arange(90, 100), cache2, chain, windows={"sliding_attention": None}
-    )
+    windowless = replace(verify_plan(model.config), windows={"sliding_attention": None})
+    target_forward(model, seq[:90], torch.arange(90), cache2, plan=windowless)
+    no_window = target_forward(model, seq[90:], torch.arange(90, 100), cache2, chain, plan=windowless)
     assert (no_window.logits - full).abs().max() > 1e-3
 
 

@@ -161,7 +161,7 @@ def time_verify_passes(
     away)."""
     vocab = int(target.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    cache = new_cache(target.config)
+    cache = new_cache(target.config, plan)
     ctx = torch.randint(0, vocab, (context_len,), generator=gen).to(device)
     target_forward(target, ctx, torch.arange(context_len, device=device), cache, plan=plan, last_logits_only=True)
     passes = {}

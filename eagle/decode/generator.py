@@ -67,6 +67,9 @@ class Timings:
     prefill_s: float = 0.0  # target prompt forward (also counted in target_s)
     target_s: float = 0.0  # all target forwards, prefill included
     draft_s: float = 0.0  # all head forwards (commits and drafting)
+    # Targets with state layers: forwards that run the accepted tokens again after a partial acceptance
+    # (also counted in target_s): what a per-position state (one copy per drafted token) would save.
+    replay_s: float = 0.0
     total_s: float = 0.0
 
     @property
@@ -387,7 +390,7 @@ class SpeculativeGenerator:
         run = _Decoding(
             res,
             StopChecker(self.tokenizer, self.eos, self.cfg.stop_strings, self.cfg.max_new_tokens),
-            new_cache(self.target.config),
+            new_cache(self.target.config, self.plan),
             self.head.new_draft_cache(),
         )
         yield self._prefill(run, prompt)
@@ -457,7 +460,9 @@ class SpeculativeGenerator:
         if self.chain_stats is not None:  # chain nodes 1..drafted; grafted nodes come after them
             self.chain_stats.observe(tree.tokens[1 : len(tree.draft_probs) + 1].tolist(), acc.tokens)
         if snapshot is not None and acc.nodes.numel() <= tree.size:
-            t2 += self._replay(run.tcache, snapshot, tree.tokens[acc.nodes], root_pos)
+            replay_s = self._replay(run.tcache, snapshot, tree.tokens[acc.nodes], root_pos)
+            res.timings.replay_s += replay_s
+            t2 += replay_s
             res.replays += 1
         else:
             keep_cache_entries(run.tcache, root_pos, acc.nodes)
@@ -528,7 +533,7 @@ def autoregressive_generate(
     begin_prompt(model, prompt, vision)
     res = GenerationResult(tokens=[], target_forwards=0)
     stop = StopChecker(tokenizer, eos_ids(tokenizer, target), c.stop_strings, c.max_new_tokens)
-    cache = new_cache(target.config)
+    cache = new_cache(target.config, plan)
     ids, pos = prompt, torch.arange(prompt.numel(), device=device)
     while True:
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from transformers.cache_utils import (
     LinearAttentionAndSlidingWindowAttentionLayer,
 )
 
-from eagle.decode.cache import LayerKind, cache_layers, layer_kind
+from eagle.decode.cache import LayerKind, layer_kind
 from eagle.errors import TargetError
 from eagle.target.features import layer_features
 from eagle.target.loading import MASKABLE_ATTENTION, target_errors
@@ -74,36 +74,42 @@ def _layer_types(config: Any) -> list[str] | None:
     return list(types) if types else None
 
 
-def new_cache(config: Any = None) -> DynamicCache:
+def new_cache(config: Any = None, plan: VerifyPlan | None = None) -> DynamicCache:
     """A cache laid out as the target's own (`DynamicCache(config=...)`: one layer class per decoder
-    layer, as its family defines it), except that sliding-window layers keep every key (the mask hides
-    the old ones; see the module docstring). `config=None`: full attention layers created on use (the
-    head's cache, tests)."""
+    layer, as its family defines it), with the layers the plan crops made full (`_uncut`).
+    `config=None`: full attention layers created on use (the head's cache, tests)."""
     if config is None:
         return DynamicCache()
-    try:
-        cache = DynamicCache(config=config)
-    except Exception as e:  # an unknown layer type, a per-layer attribute transformers cannot read
-        model_type = getattr(text_config(config), "model_type", "target")
-        raise TargetError(f"transformers cannot lay out a cache for {model_type}: {type(e).__name__}: {e}") from e
-    cache.layers = [_keep_every_key(layer) for layer in cache.layers]
+    plan = plan if plan is not None else verify_plan(config)
+    cache = _target_layout(config)
+    cache.layers = [_uncut(layer, plan.trees) for layer in cache.layers]
     return cache
 
 
-def _keep_every_key(layer: Any) -> Any:
-    """A plain sliding layer as a full one (same class family otherwise); any other layer as it is."""
-    if type(layer) is DynamicSlidingWindowLayer:
+def _target_layout(config: Any) -> DynamicCache:
+    try:
+        return DynamicCache(config=config)
+    except Exception as e:  # an unknown layer type, a per-layer attribute transformers cannot read
+        model_type = getattr(text_config(config), "model_type", "target")
+        raise TargetError(f"transformers cannot lay out a cache for {model_type}: {type(e).__name__}: {e}") from e
+
+
+def _uncut(layer: Any, trees: bool) -> Any:
+    """A layer that would cut its keys to a window, as one that keeps every key (the mask hides the old
+    ones), where the decoder crops or gathers it: plain sliding layers of a target that verifies trees,
+    and the keys beside a linear state. Any other layer stays as the target's family lays it out (a
+    chain is verified under the target's own masks over its own layout, as its `generate` runs)."""
+    if trees and type(layer) is DynamicSlidingWindowLayer:
         return DynamicLayer()
     if type(layer) is LinearAttentionAndSlidingWindowAttentionLayer:
         return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
     return layer
 
 
-def classify_layers(config: Any) -> tuple[LayerKind, ...]:
-    """What each decoder layer of the target keeps; a layer class the decoder does not know is refused."""
-    cache = new_cache(config)
+def _classify(config: Any, layers: list[Any]) -> tuple[LayerKind, ...]:
+    """What each decoder layer keeps; a layer class the decoder does not know is refused by name."""
     kinds = []
-    for i, layer in enumerate(cache_layers(cache)):
+    for i, layer in enumerate(layers):
         kind = layer_kind(layer)
         if kind is None:
             raise TargetError(
@@ -118,23 +124,23 @@ def classify_layers(config: Any) -> tuple[LayerKind, ...]:
 
 
 def verify_plan(config: Any) -> VerifyPlan:
-    """Trees where every layer's cache can be gathered to the accepted path and every attention mask is
-    one we build; chains otherwise (see the module docstring)."""
-    text = text_config(config)
-    kinds = classify_layers(config)
-    model_type = str(getattr(text, "model_type", "target"))
-    state = [i for i, k in enumerate(kinds) if k.holds_state]
-    if state:
-        why = f"{model_type} keeps a state that follows the sequence in layers {state[:8]}{'...' if len(state) > 8 else ''}"
-        return VerifyPlan(model_type, kinds, None, why)
+    """Trees where every layer's cache can be gathered to the accepted path (sliding layers made full)
+    and every attention mask is one we build; chains otherwise (see the module docstring)."""
+    model_type = str(getattr(text_config(config), "model_type", "target"))
+    layout = _target_layout(config).layers
+    as_trees = _classify(config, [_uncut(layer, trees=True) for layer in layout])
+    state = [i for i, k in enumerate(as_trees) if k.holds_state]
     types = _layer_types(config)
-    masked = {types[i] for i, k in enumerate(kinds) if k.holds_keys_values} if types else set()
+    masked = {types[i] for i, k in enumerate(as_trees) if k.holds_keys_values} if types else set()
     unknown = sorted(masked - set(_WINDOWED) - set(_FULL))
-    if unknown:
-        return VerifyPlan(
-            model_type, kinds, None, f"{model_type}'s {', '.join(unknown)} layers take masks of their own"
-        )
-    return VerifyPlan(model_type, kinds, layer_windows(config))
+    if not state and not unknown:
+        return VerifyPlan(model_type, as_trees, layer_windows(config))
+    if state:
+        listed = f"{state[:8]}{'...' if len(state) > 8 else ''}"
+        why = f"{model_type} keeps a state that follows the sequence in layers {listed}"
+    else:
+        why = f"{model_type}'s {', '.join(unknown)} layers take masks of their own"
+    return VerifyPlan(model_type, _classify(config, [_uncut(layer, trees=False) for layer in layout]), None, why)
 
 
 def layer_windows(config: Any) -> dict[str, int | None]:
