@@ -37,8 +37,15 @@ from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
 from eagle.decode.block import block_pool
 from eagle.decode.generator import SpeculativeGenerator
-from eagle.train.trainer import train
-from tests.support.decode import decode_cfg, hf_greedy, oracle_table, prompt_ids, random_head
+from tests.support.block_drafters import (
+    OracleDrafts,
+    assert_decodes_the_same,
+    assert_greedy_is_the_targets_own,
+    assert_long_runs_stay_identical,
+    assert_training_works,
+    loss_batch,
+)
+from tests.support.decode import decode_cfg, random_head
 from tests.support.heads import randomise
 from tests.support.train import Workspace
 from tests.test_accept import _sampled_law_check
@@ -123,15 +130,8 @@ def test_loss_matches_a_per_anchor_reference(qwen3):
     model, _ = qwen3
     head = _head(model, block_size=4)
     algo = get_algorithm("dflash")
-    t = 16
-    ids = torch.randint(0, model.config.vocab_size - 1, (2, t), generator=torch.Generator().manual_seed(2))
-    attn = torch.ones(2, t, dtype=torch.long)
-    attn[1, 12:] = 0
-    loss_mask = torch.zeros(2, t, dtype=torch.bool)
-    loss_mask[:, 5:] = True
-    loss_mask &= attn.bool()
-    feats = {k: v.clone() for k, v in extract_features(model, ids, attn, head.feature_layer_ids()).items()}
-    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, **feats}
+    batch = loss_batch(model, head)
+    t, ids, loss_mask, feats = 16, batch["input_ids"], batch["loss_mask"], batch
     cfg = TrainConfig(position_weights="decay", position_gamma=2.0, anchors_per_sequence=3)
     s = algo.loss_settings(DraftConfig(algorithm="dflash", block_size=4), cfg, pad_id=0, training=True)
     torch.manual_seed(5)
@@ -207,54 +207,21 @@ def test_dpace_weights_match_the_reference():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_is_the_targets_own_for_every_family(family):
-    model, tok = make_model(family)
-    model.eval()
-    head = _head(model, block_size=6)
-    ids = prompt_ids(tok, "Write a short poem about the sea.")
-    ref = hf_greedy(model, ids, 24)
-    for kw in ({"tree_top_k": 1}, {}, {"tree": "auto"}):
-        res = SpeculativeGenerator(model, head, tok, decode_cfg(draft_dtype="float32", **kw)).generate(ids)
-        assert res.tokens == ref, kw
+    assert_greedy_is_the_targets_own(family, lambda model: _head(model, block_size=6))
 
 
-class BlockOracle(DFlashHead):
+class BlockOracle(OracleDrafts, DFlashHead):
     """A DFlash head whose block position j drafts reference[root_position + j] (the token that truly comes
-    there), wrong where (position % 5 == 3) and at rank 1 where (position % 7 == 2): long accepted runs,
-    accepted second branches and rejections all occur. Commits run the real context path."""
+    there); commits run the real context path."""
 
     algorithm: ClassVar[str] = "dflash"
-
-    def setup(self, reference: list[int]) -> BlockOracle:
-        self.table = oracle_table(reference, self.config.vocab_size)
-        return self
-
-    def forward(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None):
-        super().forward(input_ids, hidden, position_ids, attention_mask, past_key_values)  # the cache must serve
-        out = torch.zeros(*input_ids.shape, self.config.hidden_size)
-        out[..., 0] = position_ids.float()
-        return out
-
-    def logits(self, hidden):
-        return self.table[hidden[..., 0].long().clamp(0, self.table.shape[0] - 1)]
 
 
 def test_long_accepted_runs_stay_identical(qwen3):
     model, tok = qwen3
-    ids = prompt_ids(tok, "Explain the theory of relativity.")
-    ref = hf_greedy(model, ids, 40)
-    base = _head(model, block_size=8)
-    oracle = BlockOracle(base.config)
-    oracle.load_state_dict(base.state_dict())
-    oracle.attach_target(model)
-    oracle.setup(ids + ref)
-    for kw in ({"tree_top_k": 1}, {"tree_top_k": 2, "tree_total_tokens": 16}):
-        res = SpeculativeGenerator(
-            model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40, **kw)
-        ).generate(ids)
-        assert res.tokens == ref, kw
-        assert max(res.accept_lengths) >= 4 and 1 + sum(res.accept_lengths) == len(ref)  # + the prefill's token
-        if kw["tree_top_k"] == 2:  # rank-1 drafts were accepted through the tree's second branches
-            assert sum(res.accept_lengths) / len(res.accept_lengths) > 2.0
+    _, tree = assert_long_runs_stay_identical(model, tok, BlockOracle, _head(model, block_size=8))
+    # rank-1 drafts were accepted through the tree's second branches
+    assert sum(tree.accept_lengths) / len(tree.accept_lengths) > 2.0
 
 
 def test_block_pool_keeps_the_best_paths():
@@ -283,19 +250,7 @@ def ws(tmp_path_factory):
 
 @pytest.mark.parametrize("online", [False, True])
 def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, online):
-    cfg = ws.cfg(
-        tmp_path / "out",
-        online=online,
-        steps=8,
-        draft__block_size=4,
-        train__anchors_per_sequence=8,
-        train__loss="lk_hybrid",
-        train__position_weights="dpace",
-    )
-    result = train(cfg)
-    assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
-    # Lossless decoding; offline, eagle-eval too (greedy identical, the report names the algorithm and block).
-    ws.check_trained_head(tmp_path / "out", "dflash", 4, None if online else tmp_path / "report")
+    assert_training_works(ws, tmp_path, online, "dflash", 4, draft__block_size=4, train__position_weights="dpace")
 
 
 def test_config_refuses_bad_block_settings():
@@ -360,12 +315,7 @@ def test_vllm_export_has_the_dflash_layout_passes_check_and_decodes_the_same(qwe
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
     assert not any(n.startswith(("embed_tokens", "lm_head", "model.")) for n in names)
     check_folder(out, expect_format="vllm")
-    loaded = load_exported_head(out, model)
-    ids = prompt_ids(tok, "Numbers 0 1 2 3")
-    cfg = decode_cfg(draft_dtype="float32")
-    a = SpeculativeGenerator(model, head, tok, cfg).generate(ids)
-    b = SpeculativeGenerator(model, loaded, tok, cfg).generate(ids)
-    assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    assert_decodes_the_same(model, tok, head, load_exported_head(out, model))
     with pytest.raises(Exception, match="id 0"):
         export_head(_head(model, aux_layer_ids=[0, 1, 2]), tmp_path / "bad", "vllm")
     assert not (tmp_path / "bad").exists()

@@ -19,21 +19,10 @@ from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.formats import EXPORT_META_KEY
 from eagle.fileio import safetensors_bytes
+from tests.support.export import E3_LAYER, E3_TOP, LAYER, head_outputs
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
-LAYER = [
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-]
-E3_LAYER = LAYER + ["input_layernorm.weight", "hidden_norm.weight"]
-E3_TOP = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"]
 DRAFT_VOCAB = 200
 
 
@@ -55,12 +44,7 @@ def heads(target):
 
 
 def _outputs(head, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, head.config.vocab_size, (2, 6), generator=g)  # [B, T]
-    feats = torch.randn(2, 6, len(head.feature_layer_ids()), head.config.target_hidden_size, generator=g)
-    pos = torch.arange(1, 7).expand(2, 6)
-    with torch.no_grad():
-        return head.logits(head(ids, head.project_features(feats), pos))  # [B, T, V_draft]
+    return head_outputs(head, seed)
 
 
 def _config(folder: Path) -> dict:

@@ -22,21 +22,10 @@ from eagle.config import DraftConfig
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head, write_export
 from eagle.export.registry import FORMATS
+from tests.support.export import E3_LAYER, E3_TOP, LAYER, head_outputs
 from tests.support.heads import randomise
 from tests.tiny_models import make_model
 
-LAYER = [
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-]
-E3_LAYER = LAYER + ["input_layernorm.weight", "hidden_norm.weight"]
-E3_TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 FC_NORMS = {f"fc_norm.{i}.weight" for i in range(3)}  # vLLM / SGLang / speculators: model.fc_norm[i]
 VARIANTS = {
     "eagle3": {},
@@ -90,13 +79,7 @@ def heads(target):
 
 
 def _outputs(head, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, head.config.vocab_size, (2, 5), generator=g)  # [B, T]
-    feats = torch.randn(2, 5, len(head.feature_layer_ids()), head.config.target_hidden_size, generator=g)
-    pos = torch.arange(1, 6).expand(2, 5)
-    with torch.no_grad():
-        h = head(ids, head.project_features(feats), pos)  # [B, T, H], fed back by a second step
-        return head.logits(head(ids, h, pos + 1))  # [B, T, V_draft]
+    return head_outputs(head, seed, t=5, steps=2)  # the second step reads the first's output
 
 
 def _expected_keys(fmt: str, variant: str) -> set[str]:

@@ -23,17 +23,22 @@ from eagle.algorithms.peagle.algorithm import (
 )
 from eagle.algorithms.peagle.drafting import parallel_log_probs
 from eagle.algorithms.peagle.head import PEagleHead
-from eagle.capture.features import extract_features
 from eagle.cli.app import compose
 from eagle.config import ConfigError, DraftConfig, TrainConfig
-from eagle.decode.generator import SpeculativeGenerator
 from eagle.errors import ExportError
 from eagle.export import check_folder, export_head, load_exported_head
 from eagle.export.exporter import served_chain_length
 from eagle.export.formats import detect_algorithm
 from eagle.export.publish import model_card
-from eagle.train.trainer import train
-from tests.support.decode import decode_cfg, hf_greedy, oracle_table, prompt_ids, random_head
+from tests.support.block_drafters import (
+    OracleDrafts,
+    assert_decodes_the_same,
+    assert_greedy_is_the_targets_own,
+    assert_long_runs_stay_identical,
+    assert_training_works,
+    loss_batch,
+)
+from tests.support.decode import random_head
 from tests.support.heads import randomise
 from tests.support.train import Workspace
 from tests.test_accept import _sampled_law_check
@@ -52,17 +57,6 @@ def _head(model, seed: int = 0, **options) -> PEagleHead:
     head = random_head(model, "peagle", seed=seed, **{"parallel_tokens": 4, **options})
     randomise(head, seed)  # norms and all: a fresh head's unit norms would hide a misplaced one
     return head.eval()
-
-
-def _batch(model, head, t: int = 16, seed: int = 2) -> dict:
-    ids = torch.randint(0, model.config.vocab_size - 1, (2, t), generator=torch.Generator().manual_seed(seed))
-    attn = torch.ones(2, t, dtype=torch.long)
-    attn[1, 12:] = 0
-    loss_mask = torch.zeros(2, t, dtype=torch.bool)
-    loss_mask[:, 5:] = True
-    loss_mask &= attn.bool()
-    feats = {k: v.clone() for k, v in extract_features(model, ids, attn, head.feature_layer_ids()).items()}
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, **feats}
 
 
 # --- the training mask and the slots -----------------------------------------------------------------
@@ -104,7 +98,7 @@ def test_training_pass_equals_the_decoders_one_pass(qwen3):
     give the same laws as the decoder's commit of the context and its one parallel pass."""
     model, _ = qwen3
     head = _head(model)
-    batch = _batch(model, head)
+    batch = loss_batch(model, head)
     algo = get_algorithm("peagle")
     s = algo.loss_settings(DraftConfig(algorithm="peagle", parallel_tokens=4), TrainConfig(), 0, True)
     anchor = torch.tensor([[9, 9, 9, 4, 4, 4], [6, 6, 6, -1, -1, -1]])
@@ -131,7 +125,7 @@ def test_loss_matches_a_per_slot_reference(qwen3):
     decoder's pass run per anchor and soft cross-entropies summed by hand."""
     model, _ = qwen3
     head = _head(model)
-    batch = _batch(model, head)
+    batch = loss_batch(model, head)
     algo = get_algorithm("peagle")
     train_cfg = TrainConfig(anchors_per_sequence=3, ttt_decay=0.8, cod_ratio=0.6, cod_floor=0.3)
     s = algo.loss_settings(DraftConfig(algorithm="peagle", parallel_tokens=4), train_cfg, 0, True)
@@ -189,52 +183,20 @@ def test_a_reduced_draft_vocabulary_drafts_target_ids(qwen3):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_is_the_targets_own_for_every_family(family):
-    model, tok = make_model(family)
-    model.eval()
-    head = _head(model, parallel_tokens=5)
-    ids = prompt_ids(tok, "Write a short poem about the sea.")
-    ref = hf_greedy(model, ids, 24)
-    for kw in ({"tree_top_k": 1}, {}, {"tree": "auto"}):
-        res = SpeculativeGenerator(model, head, tok, decode_cfg(draft_dtype="float32", **kw)).generate(ids)
-        assert res.tokens == ref, kw
+    assert_greedy_is_the_targets_own(family, lambda model: _head(model, parallel_tokens=5))
 
 
-class ParallelOracle(PEagleHead):
-    """A P-EAGLE head whose output at position p drafts reference[p + 1] (the root's output and every slot),
-    wrong where (p + 1) % 5 == 3 and at rank 1 where (p + 1) % 7 == 2: long accepted runs, accepted second
-    branches and rejections all occur. The cache runs the real path."""
+class ParallelOracle(OracleDrafts, PEagleHead):
+    """A P-EAGLE head whose output at position p drafts reference[p + 1] (the root's output and every slot);
+    the cache runs the real path."""
 
+    OFFSET = 1
     algorithm: ClassVar[str] = "peagle"
-
-    def setup(self, reference: list[int]) -> ParallelOracle:
-        self.table = oracle_table(reference, self.config.vocab_size)
-        return self
-
-    def forward(self, input_ids, hidden, position_ids, attention_mask=None, past_key_values=None):
-        super().forward(input_ids, hidden, position_ids, attention_mask, past_key_values)  # the cache must serve
-        out = torch.zeros(*input_ids.shape, self.config.hidden_size)
-        out[..., 0] = position_ids.float() + 1  # the position whose token this output drafts
-        return out
-
-    def logits(self, hidden):
-        return self.table[hidden[..., 0].long().clamp(0, self.table.shape[0] - 1)]
 
 
 def test_long_accepted_runs_stay_identical(qwen3):
     model, tok = qwen3
-    ids = prompt_ids(tok, "Explain the theory of relativity.")
-    ref = hf_greedy(model, ids, 40)
-    base = _head(model, parallel_tokens=6)
-    oracle = ParallelOracle(base.config)
-    oracle.load_state_dict(base.state_dict())
-    oracle.attach_target(model)
-    oracle.setup(ids + ref)
-    for kw in ({"tree_top_k": 1}, {"tree_top_k": 2, "tree_total_tokens": 16}):
-        res = SpeculativeGenerator(
-            model, oracle, tok, decode_cfg(draft_dtype="float32", max_new_tokens=40, **kw)
-        ).generate(ids)
-        assert res.tokens == ref, kw
-        assert max(res.accept_lengths) >= 4 and 1 + sum(res.accept_lengths) == len(ref)
+    assert_long_runs_stay_identical(model, tok, ParallelOracle, _head(model, parallel_tokens=6))
 
 
 @pytest.mark.parametrize("choice", ["sample", "topk"])
@@ -255,18 +217,7 @@ def ws(tmp_path_factory):
 
 @pytest.mark.parametrize("online", [False, True])
 def test_training_lowers_the_loss_and_the_head_decodes_losslessly(ws, tmp_path, online):
-    cfg = ws.cfg(
-        tmp_path / "out",
-        online=online,
-        steps=8,
-        draft__parallel_tokens=4,
-        train__anchors_per_sequence=8,
-        train__loss="lk_hybrid",
-    )
-    result = train(cfg)
-    assert result.eval_metrics["loss"] < result.initial_eval_metrics["loss"]
-    # Lossless decoding; offline, eagle-eval too (greedy identical, the report names the algorithm and block).
-    ws.check_trained_head(tmp_path / "out", "peagle", 4, None if online else tmp_path / "report")
+    assert_training_works(ws, tmp_path, online, "peagle", 4, draft__parallel_tokens=4)
 
 
 def test_config_refuses_what_p_eagle_cannot_train():
@@ -297,12 +248,7 @@ def test_vllm_export_is_eagle3_with_mask_hidden_and_decodes_the_same(qwen3, tmp_
     foreign = {k: v for k, v in config.items() if k != "eagle_export"}
     assert detect_algorithm(foreign, "x") == "peagle"
     assert detect_algorithm({k: v for k, v in foreign.items() if k != "mask_token_id"}, "x") == "eagle3"
-    loaded = load_exported_head(out, model)
-    ids = prompt_ids(tok, "Numbers 0 1 2 3")
-    cfg = decode_cfg(draft_dtype="float32")
-    a = SpeculativeGenerator(model, head, tok, cfg).generate(ids)
-    b = SpeculativeGenerator(model, loaded, tok, cfg).generate(ids)
-    assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    assert_decodes_the_same(model, tok, head, load_exported_head(out, model))
     with pytest.raises(Exception, match="speculators"):
         export_head(head, tmp_path / "bad", "speculators")
     assert not (tmp_path / "bad").exists()

@@ -19,7 +19,6 @@ With --json the file is rewritten after every run; the same command skips runs i
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from benchmarks.studies._study import study_parser
 from eagle.capture.store import (
     MANIFEST,
     SHARD_METADATA_KEY,
@@ -114,16 +114,9 @@ def run(capture: Path, steps: int, seed: int, base: list[str], work: Path) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--capture", type=Path, required=True, help="a float32 eagle-capture output_dir")
+    p = study_parser(__doc__, "a float32 eagle-capture output_dir", "Hydra overrides for every run")
     p.add_argument("--steps", type=int, default=800, help="training steps per run (the 20-minute study's ~800)")
     p.add_argument("--dtypes", default="float16,bfloat16")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--eval-batches", type=int, default=24)
-    p.add_argument("--recipe", default="smollm2-135m-instruct")
-    p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = p.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-capture-dtype-"))
     base = [f"recipe={args.recipe}", f"train.eval_batches={args.eval_batches}", "train.log_every=50", *args.overrides]

@@ -31,7 +31,6 @@ column is acc@0 against `old`.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -40,6 +39,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.studies._study import study_parser
 from eagle.cli.app import compose
 from eagle.train.trainer import train
 
@@ -163,22 +163,16 @@ def _finished_runs(path: Path | None, report: dict) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--capture", type=Path, required=True, help="an eagle-capture output_dir (recipe settings)")
+    p = study_parser(__doc__, "an eagle-capture output_dir (recipe settings)", "Hydra overrides for every variant")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget per variant")
     p.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="train each variant for this many steps (accounting 'steps') instead of --minutes",
+        help="train each variant for this many steps (accounting 'steps') instead of --minutes; only then does "
+        "each of --seeds make a run per variant",
     )
-    p.add_argument("--seeds", default="0", help="with --steps: comma-separated training seeds, each a run per variant")
     p.add_argument("--variants", default="old,recipe", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--eval-batches", type=int, default=24)
-    p.add_argument("--recipe", default="smollm2-135m-instruct")
-    p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides for every variant")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     if unknown := [v for v in variants if v not in VARIANTS]:

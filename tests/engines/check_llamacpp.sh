@@ -23,14 +23,10 @@
 #   CHECK_VERIFY=1           the llama-bench table (0: skip it); CHECK_VERIFY_THREADS="1 2"; CHECK_DEPTH=256
 #   CHECK_DIR=outputs/integration/llamacpp
 # Prints the tables and one PASS/FAIL line (also in $CHECK_DIR/result.txt); exits non-zero on failure.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-source scripts/engine_venv.sh
+source "$(dirname "$0")/check_common.sh" llamacpp
 source scripts/engine_llamacpp.sh
 
 HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
-TARGET=${TARGET:-smollm2-135m-instruct}
-WORK=${CHECK_DIR:-outputs/integration/llamacpp}
 PROMPTS=${CHECK_PROMPTS:-8}
 NEW_TOKENS=${CHECK_NEW_TOKENS:-64}
 NS=${CHECK_N:-1 2 3 4}
@@ -41,8 +37,6 @@ DEPTH=${CHECK_DEPTH:-256}
 STEP_TIMEOUT=${STEP_TIMEOUT:-1800}
 for n in $NS; do [[ $n =~ ^[1-9][0-9]*$ ]] || fail "CHECK_N=$NS: each n must be a positive integer"; done
 MAX_N=$(printf '%s\n' $NS | sort -n | tail -n 1)
-OURS=.venv/bin
-[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 [ -e "$HEAD" ] || fail "$HEAD does not exist"
 rm -rf "$WORK" && mkdir -p "$WORK" || fail "cannot create $WORK"
 
@@ -103,6 +97,5 @@ if [ "$VERIFY" = 1 ]; then
   VERIFY_ARGS=(--verify "$WORK/verify.json")
 fi
 
-"$OURS/python" tests/engines/check_llamacpp.py report --prepared "$WORK/prepared.json" --runs "$WORK/runs.json" \
-  --ours "$WORK/ours/report.json" --head-gguf "$HEAD_GGUF" "${VERIFY_ARGS[@]}" | tee "$WORK/result.txt"
-exit "${PIPESTATUS[0]}"
+finish "$OURS/python" tests/engines/check_llamacpp.py report --prepared "$WORK/prepared.json" --runs "$WORK/runs.json" \
+  --ours "$WORK/ours/report.json" --head-gguf "$HEAD_GGUF" "${VERIFY_ARGS[@]}"

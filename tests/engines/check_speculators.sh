@@ -11,17 +11,11 @@
 # drags in built for another torch, are removed), then runs offline: our .venv computes reference
 # logits on a few MT-bench first turns, `SpeculatorModel.from_pretrained(EXPORT)` recomputes them.
 # Prints one PASS/FAIL line; exits non-zero on failure.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-source scripts/engine_venv.sh
+source "$(dirname "$0")/check_common.sh" speculators
 
 HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
-TARGET=${TARGET:-smollm2-135m-instruct}
-WORK=${CHECK_DIR:-outputs/integration/speculators}
 PROMPTS=${CHECK_PROMPTS:-4}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
-OURS=.venv/bin
-[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 [ -e "$HEAD" ] || fail "$HEAD does not exist"
 mkdir -p "$WORK"
 

@@ -17,20 +17,14 @@
 # CHECK_K="1 2 3" (default 3) serves the head once per num_speculative_tokens (one more engine each,
 # ~4 min here) and reports every k against the same run without the head, with the fastest k per
 # batch size: the k a user should serve this head with on this machine.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-source scripts/engine_venv.sh
+source "$(dirname "$0")/check_common.sh" vllm
 
 HEAD=${1:-heads/smollm2-135m-instruct-eagle3}
-TARGET=${TARGET:-smollm2-135m-instruct}
-WORK=${CHECK_DIR:-outputs/integration/vllm}
 PROMPTS=${CHECK_PROMPTS:-8}
 NEW_TOKENS=${CHECK_NEW_TOKENS:-64}
 KS=${CHECK_K:-3}
 for k in $KS; do [[ $k =~ ^[1-9][0-9]*$ ]] || fail "CHECK_K=$KS: each k must be a positive integer"; done
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-900}
-OURS=.venv/bin
-[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 [ -e "$HEAD" ] || fail "$HEAD does not exist"
 mkdir -p "$WORK"
 
@@ -88,6 +82,5 @@ if timeout 1800 "$OURS/eagle-eval" "target.path=$TARGET" "draft.path=$HEAD" targ
 else
   echo "our prediction (eagle-eval) failed: $WORK/ours.log"
 fi
-"$OURS/python" tests/engines/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
-  --spec "${SPECS[@]}" "${OURS_ARGS[@]}" | tee "$WORK/result.txt"
-exit "${PIPESTATUS[0]}"
+finish "$OURS/python" tests/engines/check_vllm.py report --prepared "$WORK/prepared.json" --base "$WORK/base.json" \
+  --spec "${SPECS[@]}" "${OURS_ARGS[@]}"

@@ -18,17 +18,11 @@
 #   4. compare: ids, tokens, loss masks, manifests; the largest difference per feature against the storage
 #      dtype's tolerance; both throughputs; one PASS/FAIL line, exit non-zero on failure.
 # About 10 minutes on 2 CPU cores once installed (each vLLM engine start ~3-4 min there).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-source scripts/engine_venv.sh
+source "$(dirname "$0")/check_common.sh" vllm_capture
 
-TARGET=${TARGET:-smollm2-135m-instruct}
-WORK=${CHECK_DIR:-outputs/integration/vllm_capture}
 N=${CHECK_CONVERSATIONS:-32}
 MAX_LENGTH=${CHECK_MAX_LENGTH:-512}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-1500}
-OURS=.venv/bin
-[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 
 # torchvision / torchaudio / torchcodec come built for another torch and break transformers' imports.
 VENV=$(vllm_venv) || exit 1
@@ -82,6 +76,5 @@ fi
 grep '^eagle-capture:' "$WORK/vllm.log"
 
 echo "== 4. compare"
-"$OURS/python" tests/engines/check_vllm_capture.py compare --hf "$WORK/hf" --vllm "$WORK/vllm" \
-  --hf-log "$WORK/hf.log" --vllm-log "$WORK/vllm.log" | tee "$WORK/result.txt"
-exit "${PIPESTATUS[0]}"
+finish "$OURS/python" tests/engines/check_vllm_capture.py compare --hf "$WORK/hf" --vllm "$WORK/vllm" \
+  --hf-log "$WORK/hf.log" --vllm-log "$WORK/vllm.log"

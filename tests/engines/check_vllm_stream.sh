@@ -19,20 +19,14 @@
 #      asked again, none unservable, no states file left), trained tokens/s and disk of each path; one PASS/FAIL
 #      line, exit non-zero on failure.
 # About 15 minutes on 2 CPU cores once installed (each vLLM start ~2-4 min there).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-source scripts/engine_venv.sh
+source "$(dirname "$0")/check_common.sh" vllm_stream
 
-TARGET=${TARGET:-smollm2-135m-instruct}
-WORK=${CHECK_DIR:-outputs/integration/vllm_stream}
 N=${CHECK_CONVERSATIONS:-48}
 MAX_LENGTH=${CHECK_MAX_LENGTH:-512}
 STEPS=${CHECK_STEPS:-12}
 BATCH=${CHECK_BATCH:-4}
 KILL_STEP=${CHECK_KILL_STEP:-4}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-1500}
-OURS=.venv/bin
-[ -x "$OURS/python" ] || fail "no .venv here: run 'make test' (or 'make venv') first"
 
 VENV=$(vllm_venv) || exit 1
 rm -rf "$WORK"
@@ -133,9 +127,8 @@ T_OFFLINE=$(since "$t0")
 echo "== 6. compare"
 TIMES="{\"capture\": $T_CAPTURE, \"stream\": $T_STREAM, \"stream1\": $T_ONE, \"offline\": $T_OFFLINE}"
 echo "seconds: $TIMES (each eagle-* process end to end: target load, data, training, evaluation, checkpoint)"
-"$OURS/python" tests/engines/check_vllm_stream.py compare --stream "$WORK/stream" --offline "$WORK/offline" \
+finish "$OURS/python" tests/engines/check_vllm_stream.py compare --stream "$WORK/stream" --offline "$WORK/offline" \
   --capture "$WORK/capture" --times "$TIMES" --states "$STATES" --killed "http://127.0.0.1:$PORT_A" \
   --kill-step "$KILL_STEP" --steps "$STEPS" --batch-size "$BATCH" --max-length "$MAX_LENGTH" \
   --stream-disk "$(du -sh "$STATES" 2>/dev/null | cut -f1) after the run" --peak-files "$(cat "$PEAK_FILE" 2>/dev/null || echo 0)" \
-  --capture-disk "$(du -sh "$WORK/capture" | cut -f1)" | tee "$WORK/result.txt"
-exit "${PIPESTATUS[0]}"
+  --capture-disk "$(du -sh "$WORK/capture" | cut -f1)"
