@@ -278,6 +278,14 @@ class TrainConfig:
     group_by_length: bool = False
     eval_every: int = 100
     eval_batches: int = 8
+    # Real acceptance while training (eagle/train/decode_eval.py): every N optimizer steps, decode the
+    # first eval_decode_prompts held-out conversations' prompts for up to eval_decode_max_new_tokens tokens
+    # with eagle's lossless decoder (decode.*; tree=auto as dynamic) and the current head, and log
+    # tau_real and acceptance by depth beside tau_sim. 0 or null = off.
+    eval_decode_every: int | None = 0
+    eval_decode_prompts: int = 8
+    eval_decode_max_new_tokens: int = 64
+    select_by: str = "tau_sim"  # what keeps output_dir/best/: tau_sim (held-out) | tau_real (needs eval_decode_every)
     save_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -439,6 +447,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     _check_capture(cfg.capture)
     _check_draft(cfg.draft)
     _check_train(cfg.train)
+    _check_eval_decode(cfg)
     _check_decode(cfg)
     _check_eval_export(cfg)
     return cfg
@@ -571,6 +580,26 @@ def _check_train(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.init_layer_from_target={t.init_layer_from_target} starts a fresh head, "
             f"train.init_from={t.init_from!r} a trained one: set one of them"
+        )
+
+
+def _check_eval_decode(cfg: RootConfig) -> None:
+    """train.eval_decode_* and train.select_by: real acceptance while training"""
+    t = cfg.train
+    _choice("train.select_by", t.select_by, ("tau_sim", "tau_real"))
+    if t.eval_decode_every is not None and t.eval_decode_every < 0:
+        raise ConfigError(f"train.eval_decode_every={t.eval_decode_every} must be >= 0 (0 or null = off)")
+    _positive("train.eval_decode_prompts", t.eval_decode_prompts)
+    _positive("train.eval_decode_max_new_tokens", t.eval_decode_max_new_tokens)
+    if t.select_by == "tau_real" and not t.eval_decode_every:
+        raise ConfigError(
+            "train.select_by=tau_real keeps the head with the best tau_real, which only train.eval_decode_every=N "
+            "measures: set it (e.g. train.eval_decode_every=100), or keep train.select_by=tau_sim"
+        )
+    if t.eval_decode_every and cfg.target.shard != "none":
+        raise ConfigError(
+            f"train.eval_decode_every decodes with the whole target in one process; target.shard={cfg.target.shard} "
+            "splits it over the processes: set train.eval_decode_every=0, or evaluate the saved heads with eagle-eval"
         )
 
 

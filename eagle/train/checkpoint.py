@@ -56,7 +56,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # data position: epoch of the next batch ...
     index: int = 0  # ... and its offset in that epoch's (deterministic) order
-    best_metric: float | None = None  # best held-out tau_sim so far
+    best_metric: float | None = None  # best train.select_by figure so far (held-out tau_sim, or tau_real)
     best_step: int | None = None
     algorithm: str = ""
     target_fingerprint: str = ""

@@ -52,6 +52,10 @@ FREE_KEYS = frozenset(
         "train.log_every",
         "train.resume",
         "train.nonfinite",
+        # Decoding evaluations restore the RNG states they touch: what they measure never moves the trajectory.
+        "train.eval_decode_every",
+        "train.eval_decode_prompts",
+        "train.eval_decode_max_new_tokens",
         # Where the target's weights live (whole or sharded over the processes), like the number of processes:
         # the same features either way.
         "target.shard",

@@ -8,7 +8,9 @@ One loop for both algorithms and both data modes, on accelerate:
   step       this rank's micro-batches of the global batch -> head loss -> backward (DDP gradient
              sync on the last micro-batch only) -> non-finite check -> clip -> AdamW -> schedule
   log/eval   token-weighted loss / loss_i / acc_i per unroll step, lr, tokens/s; on the held-out
-             split also tau_sim (see `eagle.train.metrics`), which picks `output_dir/best/`
+             split also tau_sim (see `eagle.train.metrics`), which picks `output_dir/best/`; with
+             train.eval_decode_every also tau_real from decoding (`eagle.train.decode_eval`), which
+             picks it instead under train.select_by=tau_real
   save       `eagle.train.checkpoint` (atomic, resumable bit for bit, pruned)
 
 Loss normalisation, in one place (`TrainRecipe.global_token_counts`): every micro-batch's sum of
@@ -61,6 +63,7 @@ from eagle.tracking import Tracker
 from eagle.train import checkpoint as ckpt
 from eagle.train import heldout
 from eagle.train.batches import BatchStream, DataPosition, OfflineSplit, OnlineSplit
+from eagle.train.decode_eval import DecodeEval, format_decode_eval
 from eagle.train.heldout import evaluate_heldout
 from eagle.train.metrics import MetricSums
 from eagle.train.resume import follow_schedule, run_record
@@ -76,7 +79,7 @@ class TrainResult:
     step: int  # optimizer steps done
     stopped: str  # max_steps | max_minutes | signal | nonfinite
     best_dir: Path | None
-    best_metric: float | None  # held-out tau_sim of best/
+    best_metric: float | None  # best/'s train.select_by figure: held-out tau_sim, or tau_real
     best_step: int | None
     last_checkpoint: Path | None
     eval_metrics: dict[str, float] = field(default_factory=dict)  # last held-out evaluation
@@ -85,6 +88,8 @@ class TrainResult:
     train_metrics: dict[str, float] = field(default_factory=dict)  # last logged training window
     skipped_steps: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0)
+    # train.eval_decode_every: last tau_real beside tau_sim, their gap (last, mean), history (DecodeEval.summary)
+    decode_eval: dict[str, Any] = field(default_factory=dict)
     # train.mode=stream: samples per server, requeued samples, dropped servers, unservable conversations
     stream: dict[str, Any] = field(default_factory=dict)
 
@@ -183,6 +188,7 @@ class TrainRecipe:
         self._restore_or_start(head, optimizer, head_cfg, info)
         self._setup_step(head, optimizer)
         self._setup_tracking(info)
+        self.decode_eval = DecodeEval.for_recipe(self)  # None unless train.eval_decode_every
 
     def _setup_runtime(self) -> None:
         """Accelerator and processes; which checkpoint (if any) this run resumes, and the record a later
@@ -205,6 +211,7 @@ class TrainRecipe:
             cfg, target, tokenizer, info, list(head_cfg.aux_layer_ids), self.accelerator
         )
         self.pad_id = int(tokenizer.pad_token_id or 0)
+        self.target, self.tokenizer = target, tokenizer  # train.eval_decode_every decodes with them
         return target, info, head_cfg
 
     def _setup_head(self, target: Any, head_cfg: HeadConfig) -> DraftHead:
@@ -490,7 +497,9 @@ class TrainRecipe:
         state.metrics.update({f"eval/{k}": v for k, v in metrics.items()})
         self.tracker.log(metrics, state.step, prefix="eval")
         heldout.check_heldout_finite(metrics, self.head, f"step {state.step}")
-        if state.best_metric is None or metrics["tau_sim"] > state.best_metric:
+        if self.cfg.train.select_by == "tau_sim" and (
+            state.best_metric is None or metrics["tau_sim"] > state.best_metric
+        ):
             state.best_metric, state.best_step = metrics["tau_sim"], state.step
             if self.accelerator.is_main_process:
                 with self.timer("checkpoint"):
@@ -554,6 +563,8 @@ class TrainRecipe:
                 self.tracker.advance(1, lr=self.scheduler.get_last_lr()[0], **shown)
                 if state.step % t.eval_every == 0:
                     self.evaluate_heldout()
+                if self.decode_eval is not None and self.decode_eval.due(state.step):
+                    self.decode_eval.run(self)
                 if state.step % t.save_every == 0 or outcome.stop_requested:
                     result.last_checkpoint = self.save_checkpoint()
                 if self.hooks.on_step_end is not None:
@@ -575,6 +586,8 @@ class TrainRecipe:
             if result.stopped in ("max_steps", "max_minutes"):
                 if self.last_eval_step != state.step:
                     self.evaluate_heldout()
+                if self.decode_eval is not None and self.decode_eval.due(state.step, final=True):
+                    self.decode_eval.run(self)
                 if self.last_saved_step != state.step:
                     result.last_checkpoint = self.save_checkpoint()
                 if not (self.out / ckpt.BEST).is_dir() and self.accelerator.is_main_process:
@@ -594,6 +607,8 @@ class TrainRecipe:
     def close(self) -> TrainResult:
         """Final summary: tracker closed, `train_summary.json`, and an error if nothing was learnt."""
         state, result, out = self.state, self.result, self.out
+        if self.decode_eval is not None:
+            result.decode_eval = self.decode_eval.summary(self)
         self.tracker.summary({f"best/{k}": v for k, v in (result.eval_metrics or {}).items()})
         self.tracker.close()
         if state.step > 0 and len(state.skipped_steps) >= state.step:
@@ -643,8 +658,11 @@ def format_result(result: TrainResult) -> str:
     else:
         lines.append("held-out: no held-out split (data.heldout_fraction=0 or none captured); best/ = final weights")
     if result.best_dir is not None:
-        best = f" (tau_sim={result.best_metric:.3f} at step {result.best_step})" if result.best_metric else ""
+        by = result.decode_eval.get("select_by", "tau_sim")
+        best = f" ({by}={result.best_metric:.3f} at step {result.best_step})" if result.best_metric else ""
         lines.append(f"best head: {result.best_dir}{best}")
+    if result.decode_eval.get("tau_real") is not None:
+        lines.append(format_decode_eval(result.decode_eval))
     if result.skipped_steps:
         lines.append(f"skipped non-finite steps: {result.skipped_steps}")
     if result.stream:
