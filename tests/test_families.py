@@ -183,18 +183,9 @@ def test_every_stage_with_default_settings(family, tmp_path):
 
 
 # --- Gemma 4 (per-layer config) and DeepSeek-V4 (hyper-connection streams), issue #51 --------------------------
-# DeepSeek-V4 decodes through compressed-attention cache layers (DeepseekV4CSACache / DeepseekV4HCACache) and builds
-# one sliding-window mask for all its layers from its cache: the decoder must keep the cache as transformers lays it
-# out (sliding layers included); until it does, its tests below are expected failures (see the xfail reason).
-_V4_DECODE = pytest.param(
-    "deepseek_v4",
-    marks=pytest.mark.xfail(
-        reason="the decoder's cache path does not verify DeepSeek-V4 yet (issue #51, cache layer classes): its "
-        "compressed layers keep a DeepseekV4CSACache / DeepseekV4HCACache, and new_cache must keep its "
-        "sliding_attention layers as the DynamicSlidingWindowLayer the model sizes its one mask by",
-        strict=False,
-    ),
-)
+# DeepSeek-V4 decodes through compressed-attention cache layers (DeepseekV4CSACache / DeepseekV4HCACache: a compressor
+# state that follows the sequence), so it verifies chains, its state put back and the accepted tokens replayed after a
+# partial acceptance (the oracle head below makes some).
 
 
 def test_a_per_layer_config_sizes_the_head_from_its_full_attention_layers():
@@ -240,7 +231,7 @@ def test_hyper_connection_features_are_each_layers_own_collapse():
     torch.testing.assert_close(decoded[:, :, 3], captured["final_hidden"])  # hc_head + norm, the LM head's input
 
 
-@pytest.mark.parametrize("family", ["gemma4", _V4_DECODE])
+@pytest.mark.parametrize("family", PER_LAYER_FAMILIES)
 def test_per_layer_and_hyper_connection_targets_decode_losslessly(family):
     model, tok = make_model(family)
     ids = prompt_ids(tok, PROMPT)
@@ -269,7 +260,7 @@ def test_per_layer_and_hyper_connection_targets_capture_train_and_export(family,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma4", _V4_DECODE])
+@pytest.mark.parametrize("family", PER_LAYER_FAMILIES)
 def test_per_layer_and_hyper_connection_targets_evaluate_greedy_identical(family, tmp_path):
     """eagle-eval with default settings on a trained head: greedy output identical to HF `generate`."""
     ws = Workspace(tmp_path / "ws", family, "eagle3")
