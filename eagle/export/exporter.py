@@ -39,6 +39,7 @@ from eagle.export.formats import (
     hub_id_for_target,
     to_format_name,
 )
+from eagle.export.hf_generate import CUSTOM_GENERATE_DIR
 from eagle.export.registry import FORMATS, build_config, check_servable, get_format
 from eagle.export.validate import ExportedHead, check_folder, read_json
 from eagle.fileio import safetensors_bytes
@@ -59,6 +60,7 @@ _HEAD_FILES = (
     HEAD_CONFIG_FILE,
     LLAMACPP_FILE,
     LLAMACPP_GGUF,
+    CUSTOM_GENERATE_DIR,  # a folder: transformers' custom_generate of format=hf
 )
 
 
@@ -236,14 +238,17 @@ def write_export(
         (tmp / WEIGHTS_FILE).write_bytes(safetensors_bytes(stored, meta))  # same tensors, same bytes
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name, text in extra_files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # e.g. custom_generate/generate.py
             (tmp / name).write_text(text)
         check_folder(tmp, expect_format=fmt, dtype=dtype)  # validated before anything replaces old files
         for stale in _HEAD_FILES:
             if (out / stale).exists() and not (tmp / stale).exists():
-                (out / stale).unlink()
+                shutil.rmtree(out / stale) if (out / stale).is_dir() else (out / stale).unlink()
         # Weights before config: a folder whose config is new always has the new weights.
         names = sorted(os.listdir(tmp), key=lambda n: (n == CONFIG_FILE, n))
         for name in names:
+            if (out / name).is_dir():  # a folder is replaced whole (os.replace refuses a non-empty one)
+                shutil.rmtree(out / name)
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ from eagle.export.formats import (
     export_meta,
     llama_layer_config,
 )
+from eagle.export.hf_generate import custom_generate_files
 from eagle.export.llamacpp import llamacpp_guide, local_target, portable_target
 from eagle.heads.base import HeadConfig
 
@@ -245,14 +246,30 @@ class SpeculatorsFormat(ExportFormat):
 
 
 class HFFormat(ExportFormat):
-    """eagle's own folder: our tensor names (= `save_head`), head_config.json beside a Llama-style config."""
+    """eagle's own folder: our tensor names (= `save_head`), head_config.json beside a Llama-style config, and
+    `custom_generate/`, through which transformers' own `generate` decodes with the head in eagle's decoder
+    (eagle/export/hf_generate.py; the stub names this folder, or none in a folder for the Hub)."""
 
     name = "hf"
     engine = "eagle"
     library = "eagle"
 
     def files(self, cfg, folder, target_path, local_paths, dtype, speculative_tokens):
-        return {HEAD_CONFIG_FILE: cfg.to_json() + "\n"}
+        return {HEAD_CONFIG_FILE: cfg.to_json() + "\n", **custom_generate_files(folder if local_paths else None)}
+
+    def usage(self, algo, target, repo, speculative_tokens, head):
+        return [
+            "In transformers' own `generate`, through eagle's lossless decoder (`pip install eagle`; the folder's "
+            "`custom_generate/`):",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+            f'out = target.generate(input_ids, custom_generate="{repo}", trust_remote_code=True, max_new_tokens=128,',
+            '                       eagle_head="<this folder, downloaded>")',
+            "```",
+        ]
 
 
 class LlamaCppFormat(VLLMFormat):
