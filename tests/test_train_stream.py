@@ -286,3 +286,20 @@ def test_the_launcher_starts_what_the_trainer_checks(ws3, served, tmp_path):
     cfg.train.stream.engine_args = {"dtype": "bfloat16"}
     with pytest.raises(EagleError, match="may not set dtype"):
         server_command(cfg, recipe, "py")
+
+
+def test_a_404_mid_run_stops_the_run_instead_of_masking_samples(ws3, servers, tmp_path):
+    """Only 400 / 413 / 422 refuse a sample; a server that no longer serves the recipe's name (404) is an error
+    naming it, not a stream of masked samples."""
+    from eagle.train.trainer import TrainHooks, train
+
+    a, b = servers(2)
+
+    def rename(step: int) -> None:
+        if step == 1:
+            a.served_name = b.served_name = "something-else"
+
+    cfg = _stream_cfg(ws3, tmp_path / "o", [a.url, b.url], tmp_path / "states")
+    cfg.train.stream.prefetch = 0
+    with pytest.raises(ServerError, match="HTTP 404"):
+        train(cfg, TrainHooks(on_step_end=rename))

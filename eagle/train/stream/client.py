@@ -25,12 +25,13 @@ import torch
 
 from eagle.capture.vllm_engine import engine_layer_ids, map_engine_states
 from eagle.errors import ServerError
-from eagle.regenerate.server import ServerGone, http_json
+from eagle.regenerate.server import http_json
 from eagle.train.stream.transport import StatesTransport, TransportGone
 
 NAME_PREFIX = "eagle-stream"
 PROBE_TOKENS = 48  # > vLLM's block size (16): a cached prefix would show as missing rows on the second probe
 _PROBE_TIMEOUT_S = 120.0
+_PROMPT_REFUSED = (400, 413, 422)  # HTTP statuses that refuse the request itself, not the server
 
 
 class Unservable(Exception):
@@ -146,12 +147,12 @@ class FeatureClient:
             answer = http_json(
                 f"{url}/v1/completions", completion_body(self.recipe, token_ids), timeout or self.timeout
             )
-        except ServerGone:
-            raise
         except ServerError as e:
-            # A 4xx for this prompt (longer than the server's context, say): every server of the same recipe
-            # answers it the same way.
-            raise Unservable(str(e)) from e
+            # 400 / 413 / 422 for this prompt (longer than the server's context, say): every server of the same
+            # recipe answers it the same way. Any other status (404: the served name is gone) is the server's.
+            if getattr(e.__cause__, "code", None) in _PROMPT_REFUSED:
+                raise Unservable(str(e)) from e
+            raise
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         handle = params.get("hidden_states_path") if isinstance(params, dict) else None
         if not isinstance(handle, str) or not handle:
