@@ -314,6 +314,7 @@ def _per_layer_config(family: str, common: dict, num_layers: int):
             layer_types=layer_types,
             vocab_size_per_layer_input=common["vocab_size"],
             hidden_size_per_layer_input=8,
+            tie_word_embeddings=False,  # tied, the 8x output scale (make_model) makes one token win everywhere
         )
     if family == "deepseek_v4":
         return DeepseekV4Config(
