@@ -349,6 +349,8 @@ class EvalConfig:
     max_prompts: int | None = None
     turns: str = "first"  # first | all
     warmup_prompts: int = 1
+    # also hf_assisted: the same head in transformers' own assisted generation, a peer decoder with its tau
+    # (DFlash heads: speculation_type="dflash"; eagle/evaluate/assisted.py)
     baselines: list[str] = field(default_factory=lambda: ["autoregressive", "hf_generate", "prompt_lookup"])
     tree_sweep: list[int] = field(default_factory=list)  # total_tokens values for the speedup plot
     num_threads: int | None = None  # torch threads for every method alike; None = torch default
@@ -672,7 +674,7 @@ def _check_eval_export(cfg: RootConfig) -> None:
     _positive("eval.num_threads", cfg.eval.num_threads)
     _positive("eval.warmup_prompts", cfg.eval.warmup_prompts, allow_zero=True)
     for baseline in cfg.eval.baselines:
-        _choice("eval.baselines", baseline, ("autoregressive", "hf_generate", "prompt_lookup"))
+        _choice("eval.baselines", baseline, ("autoregressive", "hf_generate", "prompt_lookup", "hf_assisted"))
     for size in cfg.eval.tree_sweep:
         _positive("eval.tree_sweep", size)
     _choice("export.dtype", cfg.export.dtype, _DTYPE_NAMES)

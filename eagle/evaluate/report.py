@@ -34,6 +34,7 @@ SPEC = "speculative"
 # What every `speedup` is measured against, in those words and no more: not vLLM, SGLang or llama.cpp.
 SPEEDUP_BASELINE = "HF transformers generate (PyTorch eager)"
 SHIFT_KEYS = ("positions", "tv", "kl", "kl_infinite")
+VERIFIED = ("verified_tokens", "target_forwards")  # what a peer decoder's method reports for its tau
 
 
 # The CPU features that change which kernels run (and so the timings): a report names the ones present.
@@ -90,6 +91,12 @@ def prompt_record(prompt_id: str, category: str | None, turns: list[dict[str, An
         "seconds": {m: sum(t["methods"][m]["seconds"] for t in turns if m in t["methods"]) for m in methods},
         "tokens_by_method": {
             m: sum(len(t["methods"][m]["tokens"]) for t in turns if m in t["methods"]) for m in methods
+        },
+        # A peer decoder's verify passes and the tokens they emitted (hf_assisted): its tau beside ours.
+        "verified_by_method": {
+            m: [sum(int(t["methods"][m][k]) for t in turns if m in t["methods"]) for k in VERIFIED]
+            for m in methods
+            if all(k in t["methods"][m] for t in turns if m in t["methods"] for k in VERIFIED)
         },
         "greedy_match": None if any(x is None for x in matches) else all(matches),
         # Sums over the turns' verified positions (eagle.decode.approximate.ShiftStats); absent: exact.
@@ -189,6 +196,10 @@ def aggregate(
         seconds = sum(p["seconds"].get(m, 0.0) for p in per_prompt)
         tokens = sum(p["tokens_by_method"].get(m, 0) for p in per_prompt)
         by_method[m] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": metrics.throughput(tokens, seconds)}
+        verified = [p.get("verified_by_method", {}).get(m) for p in per_prompt]
+        if verified and all(v is not None for v in verified):  # a peer decoder's tau (ours is report["tau"])
+            emitted, passes = sum(v[0] for v in verified), sum(v[1] for v in verified)
+            by_method[m]["tau"] = emitted / passes if passes else None
     spec_tps = by_method.get(SPEC, {}).get("tokens_per_s", 0.0)
 
     def ratio(baseline: str) -> float | None:
@@ -235,6 +246,7 @@ def aggregate(
         "speedup": ratio("hf_generate"),
         "speedup_vs_prompt_lookup": ratio("prompt_lookup"),
         "speedup_vs_autoregressive": ratio("autoregressive"),
+        "speedup_vs_hf_assisted": ratio("hf_assisted"),
         "speedup_basis": "tokens/s ratio (= baseline time / speculative time when outputs are equal)",
         "speedup_baseline": SPEEDUP_BASELINE,
         "greedy_match": greedy,
@@ -275,6 +287,7 @@ def markdown(report: dict[str, Any]) -> str:
         "hf_generate": "speedup",
         "prompt_lookup": "speedup_vs_prompt_lookup",
         "autoregressive": "speedup_vs_autoregressive",
+        "hf_assisted": "speedup_vs_hf_assisted",
     }
     for name, m in report["methods"].items():
         sp = "-" if name == SPEC else _fmt(report.get(key.get(name, ""))) + "x"

@@ -38,6 +38,7 @@ from eagle.decode.approximate import AcceptanceRule, acceptance_label
 from eagle.decode.draft import uses_sampled_drafts
 from eagle.decode.generator import SpeculativeGenerator, autoregressive_generate
 from eagle.evaluate import metrics, plots
+from eagle.evaluate.assisted import assisted_runner
 from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
 from eagle.evaluate.divergence import divergence_at
 from eagle.evaluate.divergence import summarize as summarize_divergence
@@ -156,7 +157,7 @@ def baseline_runners(cfg: RootConfig, target: Any, tokenizer: Any, decode: Decod
         )
 
     known = {"autoregressive": autoregressive, "hf_generate": hf, "prompt_lookup": lookup}
-    return {name: known[name] for name in cfg.eval.baselines}
+    return {name: known[name] for name in cfg.eval.baselines if name in known}  # hf_assisted needs the head: _start
 
 
 DivergenceFn = Callable[[torch.Tensor, list[int], list[int], int], dict[str, Any]]
@@ -434,6 +435,8 @@ def _start(cfg: RootConfig) -> _Session:
     if decode.tree == "auto":
         generator.calibrate()
     runners = {SPEC: speculative_runner(generator, decode), **baseline_runners(cfg, target, tokenizer, decode)}
+    if "hf_assisted" in cfg.eval.baselines:  # the same head in transformers' own assisted generation
+        runners["hf_assisted"] = assisted_runner(head, target, tokenizer, decode)
     rule = AcceptanceRule.from_config(decode)
     # The float32 recheck of greedy divergences claims losslessness: only for the exact rule (config
     # validation refuses eval.divergence_check=true with an approximate one, which reports the match only).
