@@ -129,3 +129,25 @@ def test_the_shipped_head_in_generate_is_greedy_identical_with_eagles_acceptance
     ours = direct.generate(prompt_ids(tok, "Give me three tips for staying healthy."))
     assert spy.results[-1].accept_lengths == ours.accept_lengths
     assert sum(ours.accept_lengths) / len(ours.accept_lengths) > 1.2  # the head's drafts are accepted
+
+
+def test_sampled_generate_is_eagles_sampler(tmp_path):
+    """do_sample=True: the call draws exactly what eagle's decoder draws with the same settings and seed (whose
+    output follows the target's law: tests/test_accept.py), transformers' sampling defaults included."""
+    model, tok = make_model("mistral")  # its greedy output varies; tiny Qwen3 repeats one token
+    model.eval()
+    head = random_head(model, "eagle3", **OPTIONS["eagle3"])
+    export_head(head, tmp_path / "h", "hf", dtype="float32")
+    ids = prompt_ids(tok, PROMPT)
+    out = model.generate(
+        torch.tensor([ids]),
+        custom_generate=str(tmp_path / "h"),
+        trust_remote_code=True,
+        max_new_tokens=16,
+        do_sample=True,
+        temperature=1.5,
+        eagle_decode={"seed": 3},
+    )[0, len(ids) :].tolist()
+    sampled = DecodeConfig(max_new_tokens=16, temperature=1.5, seed=3)  # no top-k: generate's default is None
+    ours = SpeculativeGenerator(model, load_exported_head(tmp_path / "h", model), tok, sampled).generate(ids)
+    assert out == ours.tokens and out != hf_greedy(model, ids, 16)  # sampled, not greedy
