@@ -93,6 +93,8 @@ def test_stream_trains_what_offline_trains_from_a_capture(ws3, servers, tmp_path
     assert list(storage.glob("*.safetensors")) == [] and list(storage.glob("*.lock")) == []
     # prefetch 4 + a batch's rows (4) taken at once; each server writes one file per request in flight
     assert max(a.most_files, b.most_files) <= 4 + 4
+    # Nothing requested past max_steps: 4 steps x 4 conversations, plus the 3 held-out evaluations' 2 each.
+    assert sum(on.stream["served"].values()) == 4 * 4 + 3 * 2
 
 
 def test_stream_with_sgd_gives_the_offline_update(ws3, servers, tmp_path):

@@ -281,8 +281,9 @@ class TrainRecipe:
             group_lengths=t.group_by_length,
         )
         follow = getattr(self.train_split, "follow", None)
-        if callable(follow):  # train.mode=stream requests features ahead along the batch order
-            follow(self.stream.upcoming)
+        if callable(follow):  # train.mode=stream requests features ahead along the batch order, up to max_steps
+            per_step = sum(sl.stop - sl.start for sl in self.stream.slices)  # this rank's items a step
+            follow(lambda n: self.stream.upcoming(max(0, min(n, per_step * (t.max_steps - self.state.step - 1)))))
         algo = self.algorithm = get_algorithm(self.cfg.draft.algorithm)
         self.settings = algo.loss_settings(self.cfg.draft, t, self.pad_id, training=True)
         self.loss_weights, self.extra_weights = algo.summary_weights(t, self.settings.steps)

@@ -18,7 +18,11 @@
 #   6. compare: the loss of every step, the held-out accuracy, the stream's report (server A dropped, its samples
 #      asked again, none unservable, no states file left), trained tokens/s and disk of each path; one PASS/FAIL
 #      line, exit non-zero on failure.
-# About 15 minutes on 2 CPU cores once installed (each vLLM start ~2-4 min there).
+# About 15 minutes on 2 quiet CPU cores once installed (each vLLM start ~2-4 min there; 10 under load).
+# CHECK_KEEP_CAPTURE=1 reuses the capture (and its time) an earlier run of the same settings left in CHECK_DIR.
+# bash reads a script as it runs it: run from a copy in memory, so that an edit of this file during the run's
+# ~15 minutes (a shared working tree, a checkout) cannot splice two versions together.
+[ -z "${CHECK_IN_MEMORY:-}" ] && CHECK_IN_MEMORY=1 exec bash -c "$(cat "$0")" "$0" "$@"
 source "$(dirname "$0")/check_common.sh" vllm_stream
 
 N=${CHECK_CONVERSATIONS:-48}
@@ -29,14 +33,23 @@ KILL_STEP=${CHECK_KILL_STEP:-4}
 ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-1500}
 
 VENV=$(vllm_venv) || exit 1
-rm -rf "$WORK"
+KEEP=0
+if [ "${CHECK_KEEP_CAPTURE:-0}" = 1 ] && [ -f "$WORK/capture/manifest.json" ] && [ -f "$WORK/capture.seconds" ]; then
+  KEEP=1  # a complete capture of an earlier run of this check (same settings) and its time are reused
+  find "$WORK" -mindepth 1 -maxdepth 1 ! -name capture ! -name capture.log ! -name capture.seconds \
+    ! -name conversations.jsonl -exec rm -rf {} +
+else
+  rm -rf "$WORK"
+fi
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 STATES=$WORK/states
 
-echo "== prepare: $N held-out ShareGPT conversations"
-timeout 600 "$OURS/python" tests/engines/check_vllm_capture.py prepare --n "$N" --target "$TARGET" --max-length "$MAX_LENGTH" \
-  --out "$WORK/conversations.jsonl" || fail "prepare (our .venv) failed"
+if [ $KEEP = 0 ]; then
+  echo "== prepare: $N held-out ShareGPT conversations"
+  timeout 600 "$OURS/python" tests/engines/check_vllm_capture.py prepare --n "$N" --target "$TARGET" --max-length "$MAX_LENGTH" \
+    --out "$WORK/conversations.jsonl" || fail "prepare (our .venv) failed"
+fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
@@ -49,10 +62,15 @@ now() { date +%s.%N; }
 since() { "$OURS/python" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
 
 echo "== 1. eagle-capture capture.backend=vllm (log: $WORK/capture.log)"
-t0=$(now)
-VLLM_CACHE_ROOT=$WORK/vllm-cache/capture timeout "$ENGINE_TIMEOUT" "$OURS/python" -m eagle.cli.capture "${COMMON[@]}" \
-  capture.backend=vllm "output_dir=$WORK/capture" >"$WORK/capture.log" 2>&1 || { tail -n 25 "$WORK/capture.log"; fail "capture.backend=vllm failed"; }
-T_CAPTURE=$(since "$t0")
+if [ $KEEP = 0 ]; then
+  t0=$(now)
+  VLLM_CACHE_ROOT=$WORK/vllm-cache/capture timeout "$ENGINE_TIMEOUT" "$OURS/python" -m eagle.cli.capture "${COMMON[@]}" \
+    capture.backend=vllm "output_dir=$WORK/capture" >"$WORK/capture.log" 2>&1 || { tail -n 25 "$WORK/capture.log"; fail "capture.backend=vllm failed"; }
+  since "$t0" >"$WORK/capture.seconds"
+else
+  echo "(CHECK_KEEP_CAPTURE=1: the capture of an earlier run, $(cat "$WORK/capture.seconds") s)"
+fi
+T_CAPTURE=$(cat "$WORK/capture.seconds")
 grep '^eagle-capture:' "$WORK/capture.log"
 
 PIDS=()
