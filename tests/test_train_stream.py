@@ -5,6 +5,9 @@ resume after a crash, the disk bound, and the launcher's command. The real vLLM:
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle.capture.reader import collate
+from eagle.cli.app import compose
 from eagle.config import RootConfig
 from eagle.errors import EagleError, ServerError, TrainingError
 from eagle.target.shard import load_placed_target
@@ -19,27 +23,30 @@ from eagle.train.batches import BatchStream, ConversationSplit
 from eagle.train.stream.client import StreamRecipe
 from eagle.train.stream.launch import recipe_for, server_command
 from eagle.train.stream.transport import SharedFileTransport, TransportGone
+from tests.support.cli import cli_env
 from tests.support.servers import free_port
 from tests.support.stream_server import FakeStatesServer
-from tests.support.train import SGD_STEP, assert_same_weights, final_head, head_weights
+from tests.support.train import SGD_STEP, assert_same_weights, final_head, head_weights, train_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _stream_overrides(ws, out: Path, urls: list[str], storage: Path, steps: int = 4, **extra: object) -> list[str]:
+    """ws's small-run training overrides in train.mode=stream against `urls`."""
+    stream = {
+        "train__mode": "stream",
+        "train__stream__urls": "[" + ",".join(urls) + "]",
+        "train__stream__storage_dir": storage,
+        "train__stream__prefetch": 4,
+        "train__stream__requests_per_server": 2,
+        "train__stream__request_timeout": 20,
+        "train__stream__wait_s": 1,
+    }
+    return ws.base + train_overrides(out, None, steps, **{**stream, **extra})
+
+
 def _stream_cfg(ws, out: Path, urls: list[str], storage: Path, steps: int = 4, **extra: object) -> RootConfig:
-    return ws.cfg(
-        out,
-        online=True,
-        steps=steps,
-        train__mode="stream",
-        train__stream__urls="[" + ",".join(urls) + "]",
-        train__stream__storage_dir=storage,
-        train__stream__prefetch=4,
-        train__stream__requests_per_server=2,
-        train__stream__request_timeout=20,
-        train__stream__wait_s=1,
-        **extra,
-    )
+    return compose(_stream_overrides(ws, out, urls, storage, steps, **extra))
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +197,39 @@ def test_a_crash_resumes_with_the_same_sample_order(ws3, servers, tmp_path):
     train(_stream_cfg(ws3, tmp_path / "b", urls, storage, steps=5))
     assert _train_losses(tmp_path / "b") == _train_losses(tmp_path / "a")
     assert_same_weights(final_head(tmp_path / "a", 5), final_head(tmp_path / "b", 5))
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_with_sigkill_resumes_with_the_same_sample_order(ws3, servers, tmp_path):
+    """eagle-train in a subprocess, SIGKILLed mid-run (its requests in flight and states files abandoned); the same
+    command again: the losses and head of a run never killed (the features are simply asked for again)."""
+    from eagle.train.trainer import train
+
+    a, b = servers(2)
+    for s in (a, b):
+        s.delay = 0.05  # slow enough that the kill lands mid-run
+    urls, storage = [a.url, b.url], tmp_path / "states"
+    train(_stream_cfg(ws3, tmp_path / "straight", urls, storage, steps=10))
+    args = _stream_overrides(ws3, tmp_path / "killed", urls, storage, steps=10)
+    cmd = [sys.executable, "-m", "eagle.cli.train", *args]
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    with open(tmp_path / "first.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+            if max(steps, default=0) >= 5:
+                proc.kill()
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    assert proc.returncode == -9, (tmp_path / "first.log").read_text()[-3000:]
+    assert not (tmp_path / "killed" / "train_summary.json").exists()
+    done = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "resumed from" in done.stdout + done.stderr
+    assert _train_losses(tmp_path / "killed") == _train_losses(tmp_path / "straight")
+    assert_same_weights(final_head(tmp_path / "straight", 10), final_head(tmp_path / "killed", 10))
 
 
 def test_an_unservable_sample_is_counted_and_reported(ws3, servers, served, tmp_path):

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,6 +45,7 @@ class FakeStatesServer:
         self.answered = 0
         self.prefix_caching = False
         self.wrong_layers = False
+        self.delay = 0.0  # seconds each completion takes on top of its forward
         self.refuse_prompts: set[tuple[int, ...]] = set()  # these prompts: HTTP 400, as for a too long prompt
         self.seen: set[tuple[int, ...]] = set()
         self.most_files = 0  # the most states files the storage folder held at once, after a write
@@ -107,6 +109,7 @@ class FakeStatesServer:
                 choice = {"index": 0, "text": "x", "finish_reason": "length"}
                 if fake.fault == "no_states":
                     return self._send(200, {"id": "cmpl-x", "choices": [choice]})
+                time.sleep(fake.delay)
                 path = fake.write_states(ids)
                 self._send(
                     200, {"id": "cmpl-x", "choices": [choice], "kv_transfer_params": {"hidden_states_path": path}}
