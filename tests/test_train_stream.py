@@ -5,6 +5,7 @@ resume after a crash, the disk bound, and the launcher's command. The real vLLM:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -300,6 +301,13 @@ def test_the_transport_reads_and_deletes_only_inside_its_folder(tmp_path):
     assert outside.read_bytes() == b"keep me"
     with pytest.raises(TransportGone, match="no file is there"):
         transport.fetch(str(root / "missing.safetensors"))
+    # A killed trainer's leftovers go at the next start; a file of a request that may still be live stays.
+    old, fresh = root / "old.safetensors", root / "fresh.safetensors"
+    for f in (old, fresh, root / "old.safetensors.lock"):
+        f.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    assert transport.sweep(older_than_s=600) == 1
+    assert sorted(f.name for f in root.iterdir()) == ["fresh.safetensors"]
 
 
 # --------------------------------------------------------------------------------------- launcher

@@ -76,12 +76,15 @@ def build_stream_splits(
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
     recipe = recipe_for(cfg, info, target.config)
-    client = FeatureClient(
-        recipe,
-        SharedFileTransport(storage_dir(cfg)),
-        FinalNorm(cfg.target, info.resolved, DTYPES[info.dtype]),
-        s.request_timeout,
-    )
+    transport = SharedFileTransport(storage_dir(cfg))
+    # What a trainer killed mid-run left behind: no live request waits twice the timeout.
+    swept = transport.sweep(older_than_s=2 * s.request_timeout) if accelerator.is_main_process else 0
+    if swept:
+        log(
+            f"eagle-train: removed {swept} states file(s) older than 2 x train.stream.request_timeout from {transport.root}"
+        )
+    norm = FinalNorm(cfg.target, info.resolved, DTYPES[info.dtype])
+    client = FeatureClient(recipe, transport, norm, s.request_timeout)
     reference = None if is_sharded(target) else local_reference(target, recipe.aux_layer_ids)
     check_servers(client, urls, probe_tokens(list(splits.train)), reference)
     if accelerator.is_main_process:

@@ -104,6 +104,21 @@ class SharedFileTransport:
         path.unlink(missing_ok=True)
         Path(f"{path}.lock").unlink(missing_ok=True)
 
+    def sweep(self, older_than_s: float) -> int:
+        """Delete states files (and their locks) last written more than `older_than_s` ago: what a trainer killed
+        mid-run left behind (no live request waits that long). Returns how many files went."""
+        if not self.root.is_dir():
+            return 0
+        cutoff, gone = time.time() - older_than_s, 0
+        for path in self.root.glob("**/*.safetensors"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    self.release(str(path))
+                    gone += 1
+            except (FileNotFoundError, TransportGone):
+                continue
+        return gone
+
     def held(self) -> int:
         """States files in the folder now (tests: the folder never holds more than the samples in flight)."""
         return sum(1 for _ in self.root.glob("**/*.safetensors")) if self.root.is_dir() else 0
