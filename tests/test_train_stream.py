@@ -353,3 +353,21 @@ def test_a_404_mid_run_stops_the_run_instead_of_masking_samples(ws3, servers, tm
     cfg.train.stream.prefetch = 0
     with pytest.raises(ServerError, match="HTTP 404"):
         train(cfg, TrainHooks(on_step_end=rename))
+
+
+def test_serve_target_prints_the_command_the_trainer_accepts(ws3, served, tmp_path):
+    """`python -m eagle.cli.serve_target` with the trainer's overrides prints a server command whose served
+    name is the one the trainer checks for: the servers match the trainer by construction."""
+    recipe: StreamRecipe = served[0]
+    args = [*ws3.base, f"output_dir={tmp_path / 'serve'}", f"capture.vllm_python={sys.executable}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle.cli.serve_target", *args],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in x)
+    assert f"--served-model-name {recipe.served_name}" in line and "--no-enable-prefix-caching" in line
+    assert "PYTHONPATH=" in line and "eagle_vllm_connector" in line
