@@ -287,3 +287,141 @@ def test_labels():
         acceptance_label(AcceptanceRule("lenient").settings())
         == "APPROXIMATE acceptance: lenient (top_k=2, margin=1.0), not lossless"
     )
+
+
+# --- transformers' assistant_ensemble_weight beside our rules (docs/acceptance.md) ----------------------
+
+
+def _chain_case(seed: int, k: int = 3, v: int = 8):
+    """A chain of K drafts sampled from q, the draft logits [K, V] and the target logits [K + 1, V]."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(k + 1, v, generator=g) * 2
+    draft = target[:k] + torch.randn(k, v, generator=g) * 1.5
+    tokens = torch.multinomial(draft.softmax(-1), 1, generator=g).squeeze(1)
+    return tokens, draft, target
+
+
+@pytest.mark.parametrize("weight", [None, 0.3, 0.7, 0.95])
+def test_ensemble_accepts_exactly_what_transformers_accepts(weight):
+    """Fed transformers' own uniforms (`_speculative_sampling` draws them with `rand_like` after the seed),
+    `ensemble_accept` accepts the same drafts, for w = None (lossless) and for w in (0, 1)."""
+    from transformers.generation.utils import _speculative_sampling
+
+    from eagle.decode.approximate import ensemble_accept
+
+    matched = []
+    for seed in range(40):
+        tokens, draft, target = _chain_case(seed)
+        k = tokens.numel()
+        ids = torch.cat([torch.tensor([5, 1]), tokens])[None]  # [1, prompt + K]
+        torch.manual_seed(seed)
+        _, n_matches = _speculative_sampling(ids, draft[None], k, target[None], assistant_ensemble_weight=weight)
+        torch.manual_seed(seed)
+        u = torch.rand(k)  # what `rand_like` drew there (float32, [K])
+        uniforms = torch.cat([u.double(), torch.tensor([0.5], dtype=torch.float64)])
+        accepted, _ = ensemble_accept(
+            tokens, draft.softmax(-1), target.softmax(-1), uniforms, 1.0 if weight is None else weight
+        )
+        assert accepted == tokens[: int(n_matches)].tolist()
+        matched.append(len(accepted))
+    assert 0 < sum(matched) < 40 * 3  # both outcomes exercised
+
+
+def test_ensemble_weight_0_accepts_every_draft_and_1_is_speculative_sampling():
+    """w = 0 accepts every draft whatever the uniforms (the bonus then comes from p after K drafts); w = 1
+    emits the target's law (chi-square), w = 0.4 emits `ensemble_law` = 0.4 p + 0.6 q, detectably not p."""
+    from eagle.decode.approximate import ensemble_accept, ensemble_law
+
+    tokens, draft, target = _chain_case(3)
+    q, p = draft.softmax(-1), target.softmax(-1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        accepted, bonus = ensemble_accept(tokens, q, p, torch.rand(4, generator=g, dtype=torch.float64), 0.0)
+        assert accepted == tokens.tolist() and p[3, bonus] > 0
+    with pytest.raises(ValueError, match="weight"):
+        ensemble_accept(tokens, q, p, torch.rand(4, dtype=torch.float64), 1.5)
+    for weight in (1.0, 0.4):
+        counts = torch.zeros(8)
+        for _ in range(4000):  # the first emitted token, the draft sampled from q as the chain would
+            x = torch.multinomial(q[0], 1, generator=g)
+            accepted, bonus = ensemble_accept(x, q[:1], p[:2], torch.rand(2, generator=g, dtype=torch.float64), weight)
+            counts[accepted[0] if accepted else bonus] += 1
+        law = ensemble_law(p[0], q[0], weight)
+        assert chi2_ok(counts, law)[0]
+        assert chi2_ok(counts, p[0])[0] == (weight == 1.0)
+
+
+def _simulate(setup, rule, ctx, gamma: int, samples: int, seed: int):
+    """Monte Carlo of the study's process through the decoder's own functions: per pass, a chain of gamma
+    drafts (sampled from q for the ensemble, top-1 of q for ours) accepted by `ensemble_accept` or
+    `walk_tree_approx` / `walk_tree`; passes until gamma + 1 tokens are out. Returns (joint counts, mean
+    tokens of the first pass)."""
+    from eagle.decode.approximate import ensemble_accept
+
+    v = 8
+    g = torch.Generator().manual_seed(seed)
+    n = gamma + 1
+    counts = torch.zeros(v**n)
+    first_pass = 0
+    for _ in range(samples):
+        c, out = ctx, []
+        while len(out) < n:
+            cs, drafts = [c], []
+            for _ in range(gamma):
+                q = setup.draft_logits[cs[-1]].softmax(-1)
+                x = int(torch.multinomial(q, 1, generator=g)) if rule.sampled else int(q.argmax())
+                drafts.append(x)
+                cs.append((cs[-1][1], x))
+            if rule.kind == "ensemble":
+                q = torch.stack([setup.draft_logits[ci].softmax(-1) for ci in cs[:-1]])
+                if not rule.sampled:
+                    q = torch.nn.functional.one_hot(torch.tensor(drafts), v).double()
+                p = torch.stack([setup.target_logits[ci].softmax(-1) for ci in cs])
+                u = torch.rand(gamma + 1, generator=g, dtype=torch.float64)
+                accepted, bonus = ensemble_accept(torch.tensor(drafts), q, p, u, rule.weight)
+                emitted = accepted + [bonus]
+            else:
+                tree, parents = torch.tensor([0, *drafts]), torch.tensor(list(range(-1, gamma)))
+                logits = torch.stack([setup.target_logits[ci] for ci in cs]).float()
+                if rule.kind == "exact":
+                    emitted = walk_tree(tree, parents, logits, 1.0, generator=g).tokens
+                else:
+                    emitted = walk_tree_approx(tree, parents, logits, rule.approx, 1.0, generator=g)[0].tokens
+            if not out:
+                first_pass += len(emitted)
+            out += emitted
+            c = (c[1], out[0]) if len(out) == 1 else (out[-2], out[-1])
+        counts[sum(t * v ** (n - 1 - i) for i, t in enumerate(out[:n]))] += 1
+    return counts, first_pass / samples
+
+
+@pytest.mark.parametrize("which", ["exact-top1", "ensemble-sampled", "ensemble-top1", "typical", "lenient"])
+def test_exact_laws_of_the_side_by_side_study_match_monte_carlo(which):
+    """`benchmarks approximate_rules` enumerates the joint law of the first gamma + 1 tokens and tau; a fixed-
+    seed Monte Carlo through the decoder's functions agrees: chi-square on the joint law, tau within 4
+    standard errors, and the estimated TV from the target within 0.03."""
+    from benchmarks.studies.approximate_rules import Rule, Setup, first_token, joint_law, pass_law, target_joint_law, tv
+
+    rule = {
+        "exact-top1": Rule("exact"),
+        "ensemble-sampled": Rule("ensemble", sampled=True, weight=0.5),
+        "ensemble-top1": Rule("ensemble", weight=0.6),
+        "typical": Rule("typical", approx=AcceptanceRule("typical")),
+        "lenient": Rule("lenient", approx=AcceptanceRule("lenient", lenient_top_k=3, lenient_margin=1.5)),
+    }[which]
+    setup, gamma, ctx, samples = Setup.seeded(0), 2, (3, 6), 3000
+    law = torch.tensor(joint_law(setup, rule, ctx, gamma + 1, gamma), dtype=torch.float64)
+    assert float(law.sum()) == pytest.approx(1.0, abs=1e-12)
+    passes = pass_law(setup, rule, ctx, gamma)
+    tau = sum(len(s) * m for s, m in passes.items())
+    second = sum(len(s) ** 2 * m for s, m in passes.items())
+    counts, tau_mc = _simulate(setup, rule, ctx, gamma, samples, seed=11)
+    ok, stat, crit = chi2_ok(counts, law)
+    assert ok, (stat, crit)
+    assert abs(tau_mc - tau) < 4 * ((second - tau**2) / samples) ** 0.5 + 1e-9
+    target = target_joint_law(setup, ctx, gamma + 1)
+    first = first_token(law.tolist(), gamma + 1)
+    empirical = first_token((counts / samples).tolist(), gamma + 1)
+    assert abs(tv(empirical, first_token(target, gamma + 1)) - tv(first, first_token(target, gamma + 1))) < 0.03
+    if which == "exact-top1":
+        assert tv(law.tolist(), target) < 1e-12

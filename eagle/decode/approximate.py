@@ -281,6 +281,63 @@ def walk_tree_approx(
     return acc, stats
 
 
+# --- transformers' assistant_ensemble_weight, side by side with ours (docs/acceptance.md) ------------------
+
+
+def ensemble_accept(
+    draft_tokens: torch.Tensor,  # [K] a chain of drafted tokens
+    draft_probs: torch.Tensor,  # [K, V] the law each was drafted from (one-hot rows: deterministic drafts)
+    target_probs: torch.Tensor,  # [K + 1, V] the target's processed law after 0..K accepted drafts
+    uniforms: torch.Tensor,  # [K + 1] U(0, 1): one per acceptance test, the last for the emitted draw
+    weight: float,  # w in [0, 1]; 1 = speculative sampling (lossless), 0 = every draft accepted
+) -> tuple[list[int], int]:
+    """transformers' `assistant_ensemble_weight` rule (`generation/utils.py: _speculative_sampling`,
+    DIVERSE's static ensemble verification) on one chain: (accepted drafts, bonus token).
+
+    Speculative sampling against v = w * p + (1 - w) * q instead of p: draft i (token x, drafted from q)
+    is accepted when u_i <= v(x) / q(x) = 1 - w + w * p(x) / q(x); at the first rejection the token is
+    drawn from norm(max(v - q, 0)) = norm(max(p - q, 0)) (falling back to p where that residual is 0, as
+    transformers does); after K acceptances the bonus is drawn from p. So the token emitted at each
+    position follows v, and TV(p, v) = (1 - w) * TV(p, q); the acceptance at a position is
+    sum min(q, v) = 1 - w * TV(p, q). Draws invert the float64 CDF with the last uniform (`sample_index`).
+    Not a `decode.acceptance` value: it needs each draft's law q (sampled chains), while the approximate
+    rules act on top-k trees (docs/acceptance.md)."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"ensemble weight {weight} must be in [0, 1]")
+    k = int(draft_tokens.numel())
+    tokens = draft_tokens.tolist()
+    for i in range(k):
+        x = tokens[i]
+        p, q = target_probs[i].double(), draft_probs[i].double()
+        p, q = p / p.sum(), q / q.sum()
+        ratio = (1.0 - weight) + weight * float(p[x]) / float(q[x])  # q(x) > 0: x was drafted from q
+        if float(uniforms[i]) <= ratio:
+            continue
+        residual = (p - q).clamp(min=0.0)
+        if float(residual.sum()) <= torch.finfo(torch.float64).tiny:
+            residual = p
+        return tokens[:i], _invert(residual, float(uniforms[k]))
+    return tokens, _invert(target_probs[k].double(), float(uniforms[k]))
+
+
+def _invert(probs: torch.Tensor, u: float) -> int:
+    """The token whose CDF step holds u * total (as `sample_index` draws)."""
+    cdf = probs.double().cumsum(0)
+    return int(
+        torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True).clamp(
+            max=cdf.numel() - 1
+        )
+    )
+
+
+def ensemble_law(p: torch.Tensor, q: torch.Tensor, weight: float) -> torch.Tensor:
+    """[..., V] target and draft laws -> [..., V] the law `ensemble_accept` emits at a position it reaches:
+    v = w * p + (1 - w) * q (p itself where p == q)."""
+    p, q = p.double(), q.double()
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    return weight * p + (1.0 - weight) * q
+
+
 __all__ = [
     "APPROXIMATE_RULES",
     "AcceptanceRule",
@@ -291,6 +348,8 @@ __all__ = [
     "accepted_tokens_reference",
     "emitted_law",
     "emitted_law_reference",
+    "ensemble_accept",
+    "ensemble_law",
     "node_shift",
     "shift",
     "walk_tree_approx",
