@@ -180,6 +180,46 @@ def test_every_server_gone_stops_with_a_checkpoint_that_resumes(ws3, servers, tm
     assert_same_weights(final_head(tmp_path / "straight", 5), final_head(out, 5))
 
 
+def test_every_server_gone_during_an_evaluation_saves_the_state_after_the_step(ws3, servers, tmp_path):
+    """The servers break on the held-out conversations (the untrained head's evaluation, before step 1): the run
+    stops naming them with a checkpoint at step 0, and resumes to the straight run's head."""
+    from eagle.data.dataset import build_splits
+    from eagle.target.loading import load_tokenizer
+    from eagle.train.trainer import train
+
+    storage = tmp_path / "states"
+    a, b = servers(2)
+    train(_stream_cfg(ws3, tmp_path / "straight", [a.url, b.url], storage, steps=3))
+    cfg = _stream_cfg(ws3, tmp_path / "cut", [a.url, b.url], storage, steps=3)
+    held = {tuple(c.input_ids) for c in build_splits(cfg.data, load_tokenizer(cfg.target)).heldout}
+    c, d = servers(2)
+    for s in (c, d):
+        s.fatal_prompts = held
+    with pytest.raises(TrainingError, match="after step 0 is saved"):
+        train(_stream_cfg(ws3, tmp_path / "cut", [c.url, d.url], storage, steps=3))
+    assert (tmp_path / "cut" / "checkpoints" / "step-0000000").is_dir()
+    train(_stream_cfg(ws3, tmp_path / "cut", [a.url, b.url], storage, steps=3))
+    assert_same_weights(final_head(tmp_path / "straight", 3), final_head(tmp_path / "cut", 3))
+
+
+def test_a_sample_that_breaks_every_server_it_meets_is_unservable_not_retried_forever(ws3, servers, tmp_path):
+    """The servers' connections break on one conversation (each server lives on): after MAX_SAMPLE_DROPS broken
+    requests it is unservable, reported, and the run ends."""
+    from eagle.data.dataset import build_splits
+    from eagle.target.loading import load_tokenizer
+    from eagle.train.stream.pool import MAX_SAMPLE_DROPS
+    from eagle.train.trainer import train
+
+    a, b = servers(2)
+    cfg = _stream_cfg(ws3, tmp_path / "o", [a.url, b.url], tmp_path / "states", steps=6)
+    poison = build_splits(cfg.data, load_tokenizer(cfg.target)).train[-1]
+    for s in (a, b):
+        s.reset_prompts = {tuple(poison.input_ids)}
+    result = train(cfg)
+    assert result.step == 6
+    assert f"{MAX_SAMPLE_DROPS} server(s) stopped answering" in result.stream["unservable"][str(poison.id)]
+
+
 def test_a_crash_resumes_with_the_same_sample_order(ws3, servers, tmp_path):
     """Killed after step 3 (checkpoint at 2): the resumed run re-requests the features and ends with the
     straight run's head and losses."""

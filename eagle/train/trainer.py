@@ -483,10 +483,17 @@ class TrainRecipe:
         its bit-for-bit resume are unchanged)."""
         if self.held_split is None:
             return
-        with self.timer("eval"):
-            metrics = evaluate_heldout(
-                self.head, self.lm_head, self.held_split, self.cfg, self.accelerator, self.pad_id
-            )
+        try:
+            with self.timer("eval"):
+                metrics = evaluate_heldout(
+                    self.head, self.lm_head, self.held_split, self.cfg, self.accelerator, self.pad_id
+                )
+        except StreamStopped as e:  # every server gone during an evaluation: the state after the last step is saved
+            path = self.result.last_checkpoint = self.save_checkpoint()
+            raise StreamStopped(
+                f"{e}. The state after step {self.state.step} is saved in {path}; start a server and run the "
+                "same command to resume"
+            ) from e
         if untrained:
             self.result.initial_eval_metrics = metrics
             self.tracker.log(metrics, 0, prefix="eval_untrained")

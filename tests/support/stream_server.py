@@ -46,6 +46,8 @@ class FakeStatesServer:
         self.prefix_caching = False
         self.wrong_layers = False
         self.delay = 0.0  # seconds each completion takes on top of its forward
+        self.reset_prompts: set[tuple[int, ...]] = set()  # these prompts: the connection breaks, the server lives
+        self.fatal_prompts: set[tuple[int, ...]] = set()  # these prompts: the server dies (kill) mid-request
         self.refuse_prompts: set[tuple[int, ...]] = set()  # these prompts: HTTP 400, as for a too long prompt
         self.seen: set[tuple[int, ...]] = set()
         self.most_files = 0  # the most states files the storage folder held at once, after a write
@@ -85,6 +87,10 @@ class FakeStatesServer:
                     return self._send(404, {"error": f"The model `{body.get('model')}` does not exist."})
                 with fake.lock:
                     failing = fake.fault == "reset" and fake.answered >= fake.fail_after
+                    failing = failing or tuple(int(t) for t in body["prompt"]) in fake.reset_prompts
+                    if tuple(int(t) for t in body["prompt"]) in fake.fatal_prompts:
+                        failing = True
+                        threading.Thread(target=fake.kill, daemon=True).start()
                     if not failing:
                         fake.answered += 1
                 if failing:

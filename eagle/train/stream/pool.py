@@ -10,8 +10,9 @@ each server, carried by threads; the trainer's thread only announces and takes. 
 - every server is gone: `take` waits, asking the dropped servers again with exponential backoff (1 s,
   2 s, ... at most 30 s apart) for `wait_s`; a server that answers its check again rejoins; after that
   `StreamStopped` (a `TrainingError`) names every URL and its last error;
-- a sample cannot be served (the servers refuse its prompt, its states are not finite): `take` returns
-  None for it and it is listed in `unservable` (the trainer masks it out of its batch and reports it);
+- a sample cannot be served (the servers refuse its prompt, its states are not finite, or its requests
+  broke MAX_SAMPLE_DROPS connections): `take` returns None for it and it is listed in `unservable` (the
+  trainer masks it out of its batch and reports it);
 - an answer that belongs to another request or model (`AnswerMismatch`, any other `EagleError`): the
   run stops with it at the next `take`.
 """
@@ -34,6 +35,9 @@ from eagle.train.stream.transport import TransportGone
 
 Features = dict[str, torch.Tensor]
 MAX_BACKOFF_S = 30.0
+# A sample whose requests broke this many connections (a server crashed or timed out on it each time) is
+# unservable: otherwise one prompt that kills servers, or outlasts the timeout, would cycle through them forever.
+MAX_SAMPLE_DROPS = 3
 
 
 class StreamStopped(TrainingError):
@@ -94,6 +98,7 @@ class StatesPool:
         self.inflight: dict[str, Sample] = {}
         self.ready: dict[str, Features | None] = {}  # None: unservable
         self.fatal: BaseException | None = None
+        self.drops: dict[str, int] = {}  # sample key -> connections its requests broke
         self.report = PoolReport()
         self.executor = ThreadPoolExecutor(max_workers=len(urls) * requests_per_server, thread_name_prefix="stream")
 
@@ -205,8 +210,15 @@ class StatesPool:
             self.lock.notify_all()
 
     def _drop(self, server: _Server, reason: str, sample: Sample) -> None:
-        self.pending.appendleft(sample)
-        self.report.requeued += 1
+        drops = self.drops[sample.key] = self.drops.get(sample.key, 0) + 1
+        if drops >= MAX_SAMPLE_DROPS:  # it takes servers down (or past the timeout) wherever it goes: give up on it
+            why = f"{drops} server(s) stopped answering while serving it, the last: {reason}"
+            self.ready[sample.key] = None
+            self.report.unservable[sample.label] = why
+            self.log(f"train.stream: conversation {sample.label} cannot be served ({why}); masked out")
+        else:
+            self.pending.appendleft(sample)
+            self.report.requeued += 1
         if server.gone is None:
             server.gone, server.gone_at = reason, time.monotonic()
             self.report.dropped[server.url] = reason
