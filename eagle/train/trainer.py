@@ -88,10 +88,10 @@ class TrainResult:
     train_metrics: dict[str, float] = field(default_factory=dict)  # last logged training window
     skipped_steps: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (rank 0)
-    # train.eval_decode_every: last tau_real beside tau_sim, their gap (last, mean), history (DecodeEval.summary)
-    decode_eval: dict[str, Any] = field(default_factory=dict)
     # train.mode=stream: samples per server, requeued samples, dropped servers, unservable conversations
     stream: dict[str, Any] = field(default_factory=dict)
+    # train.eval_decode_every: last tau_real beside tau_sim, their gap (last, mean), history (DecodeEval.summary)
+    decode_eval: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -679,7 +679,9 @@ def format_result(result: TrainResult) -> str:
         lines.append(f"stream: samples served by {served or 'no server'}; {s['requeued']} asked again elsewhere")
         if s["unservable"]:
             named = "; ".join(f"{cid} ({why})" for cid, why in list(s["unservable"].items())[:10])
-            lines.append(f"stream: {len(s['unservable'])} conversation(s) could not be served and trained nothing: {named}")
+            lines.append(
+                f"stream: {len(s['unservable'])} conversation(s) could not be served and trained nothing: {named}"
+            )
     return "\n".join(lines)
 
 
