@@ -37,6 +37,7 @@ from tests.tiny_models import (
     MORE_FAMILIES,
     PER_LAYER_FAMILIES,
     STATE_FAMILIES,
+    YEAR_FAMILIES,
     make_config,
     make_model,
     make_tokenizer,
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = "Write a short poem about the sea."
 
 
-@pytest.mark.parametrize("family", MORE_FAMILIES + STATE_FAMILIES)
+@pytest.mark.parametrize("family", MORE_FAMILIES + STATE_FAMILIES + YEAR_FAMILIES)
 def test_greedy_output_is_the_targets_own(family):
     model, tok = make_model(family)
     ids = prompt_ids(tok, PROMPT)
@@ -150,7 +151,7 @@ def test_a_target_whose_forward_fails_is_named(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", MORE_FAMILIES + STATE_FAMILIES)
+@pytest.mark.parametrize("family", MORE_FAMILIES + STATE_FAMILIES + YEAR_FAMILIES)
 def test_every_stage_with_default_settings(family, tmp_path):
     ws = Workspace(tmp_path / "ws", family, "eagle3")
     assert (ws.capture / "manifest.json").is_file()

@@ -251,6 +251,8 @@ def _more_config(family: str, common: dict, num_layers: int):
         return _per_layer_config(family, common, num_layers)
     if family in STATE_FAMILIES:
         return _state_config(family, common, num_layers)
+    if family in YEAR_FAMILIES:
+        return _year_config(family, common, num_layers)
     raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MORE_FAMILIES}")
 
 
@@ -520,5 +522,56 @@ def _state_config(family: str, common: dict, num_layers: int):
             head_dim=16,
             sliding_window=8,
             layer_types=(["conv", "sliding_attention", "conv", "full_attention"] * num_layers)[:num_layers],
+        )
+    raise ValueError(f"unknown family {family!r}")
+
+
+# Issue #51's other families of 2026, already running before it (kept running): Granite 4 (Mamba2 +
+# attention, MoE), OLMo hybrid (Gated DeltaNet + attention), GLM-4.5 MoE and MiniMax-M2 (MoE).
+YEAR_FAMILIES = ("granitemoehybrid", "olmo_hybrid", "glm4_moe", "minimax_m2")
+for _family in YEAR_FAMILIES:
+    TEMPLATES[_family] = (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>")
+
+
+def _year_config(family: str, common: dict, num_layers: int):
+    """The configs of YEAR_FAMILIES (hybrids alternate their recurrent layer with attention)."""
+    from transformers import Glm4MoeConfig, GraniteMoeHybridConfig, MiniMaxM2Config, OlmoHybridConfig
+
+    if family == "granitemoehybrid":
+        return GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "attention"] * (num_layers // 2),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_expand=1,
+            mamba_chunk_size=16,
+        )
+    if family == "olmo_hybrid":
+        return OlmoHybridConfig(
+            **common,
+            pad_token_id=0,  # its defaults lie outside a tiny vocabulary (make_model sets the tokenizer's)
+            eos_token_id=2,
+            layer_types=["linear_attention", "full_attention"] * (num_layers // 2),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    if family == "glm4_moe":
+        return Glm4MoeConfig(  # every layer MoE (first_k_dense_replace=0): the default's dense first layer
+            **common,  # makes this random model end its answer at the second token
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            n_routed_experts=4,
+            first_k_dense_replace=0,
+        )
+    if family == "minimax_m2":
+        return MiniMaxM2Config(
+            **common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2
         )
     raise ValueError(f"unknown family {family!r}")
