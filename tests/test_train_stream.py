@@ -411,3 +411,35 @@ def test_serve_target_prints_the_command_the_trainer_accepts(ws3, served, tmp_pa
     line = next(x for x in done.stdout.splitlines() if "vllm.entrypoints.openai.api_server" in x)
     assert f"--served-model-name {recipe.served_name}" in line and "--no-enable-prefix-caching" in line
     assert "PYTHONPATH=" in line and "eagle_vllm_connector" in line
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_when_the_servers_die(ws3, servers, tmp_path):
+    """DDP over gloo, the one server killed after a few answers: the run stops with the message and a
+    checkpoint both ranks saved. (Each process has its own prefetch, so one may run out of samples a step
+    before the other; the trainer all-reduces a flag per micro-batch so they stop together. Here both
+    usually run out at the same step, so this checks the clean stop, not that timing.)"""
+    import threading
+
+    from tests.support.cli import BIN
+
+    (server,) = servers(1)
+    server.delay = 0.05
+
+    def kill_after_answers() -> None:
+        deadline = time.monotonic() + 240
+        while server.answered < 14 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.kill()
+
+    threading.Thread(target=kill_after_answers, daemon=True).start()
+    out = tmp_path / "two"
+    args = _stream_overrides(ws3, out, [server.url], tmp_path / "states", steps=20, train__save_every=100)
+    launch = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", "eagle.cli.train"]
+    done = subprocess.run([*launch, *args], env=cli_env(), capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and "every server of train.stream.urls" in text, text[-3000:]
+    assert "is saved in" in text and "resume" in text, text[-3000:]
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert saved and (saved[-1] / "rng" / "rank-00001.pt").is_file()  # both ranks saved the same step

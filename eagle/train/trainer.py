@@ -392,6 +392,22 @@ class TrainRecipe:
         total = self.accelerator.reduce(local.to(self.device), reduction="sum") if self.world > 1 else local
         return total.clamp(min=1.0) / self.world
 
+    def _featurize(self, mb: dict[str, Any]) -> tuple[dict[str, Any], StreamStopped | None]:
+        """The micro-batch with its target features, or the StreamStopped that stops the run. With several
+        processes streaming, every process learns whether any one lost every server (one flag all-reduced
+        per micro-batch), so they all save and stop together instead of some waiting in the gradient
+        all-reduce for a process that has stopped."""
+        lost: StreamStopped | None = None
+        try:
+            mb = self.train_split.featurize(mb, self.device)
+        except StreamStopped as e:
+            lost = e
+        if self.cfg.train.mode == "stream" and self.accelerator.num_processes > 1:
+            flag = torch.tensor([0.0 if lost is None else 1.0], device=self.device)
+            if float(self.accelerator.reduce(flag, reduction="sum").item()) > 0 and lost is None:
+                lost = StreamStopped("another process of this run lost every server of train.stream.urls")
+        return mb, lost
+
     def train_step(self, stop: StopFlag) -> StepOutcome:
         """Forward/backward over this rank's micro-batches, then clip and step (or skip a non-finite step)."""
         t, acc, state = self.cfg.train, self.accelerator, self.state
@@ -403,16 +419,15 @@ class TrainRecipe:
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         for i, mb in enumerate(micro):
             with self.timer("data"):
-                try:
-                    mb = self.train_split.featurize(mb, self.device)
-                except StreamStopped as e:  # every server gone: save the state before this step, then stop
+                mb, lost = self._featurize(mb)
+                if lost is not None:  # every server gone: save the state before this step, then stop
                     self.optimizer.zero_grad(set_to_none=True)
                     self.stream.position = pre_position
                     path = self.result.last_checkpoint = self.save_checkpoint(pre_rng)
                     raise StreamStopped(
-                        f"{e}. The state before step {state.step + 1} is saved in {path}; start a server and run "
-                        "the same command to resume"
-                    ) from e
+                        f"{lost}. The state before step {state.step + 1} is saved in {path}; start a server and "
+                        "run the same command to resume"
+                    ) from lost
             sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.wrapper)
             with self.timer("forward_backward"), sync:
                 parts = self.wrapper(mb, norms)
