@@ -90,7 +90,8 @@ def test_normalise_both_formats_roles_and_system():
             "a 'function_call' turn's value must be a call's JSON",
         ),
         ({"id": "x", "messages": [{"role": "user", "content": 3}]}, "content must be a string"),
-        ({"id": "x", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "not a text part"),
+        ({"id": "x", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "an image must be a path"),
+        ({"id": "x", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "not a text part"),
         ({"id": "x", "messages": [], "system": 5}, "'system' must be a string"),
     ],
 )

@@ -89,7 +89,8 @@ def _text_of(content: Any, where: str) -> str:
             else:
                 raise DataError(
                     f"{where}: content part {str(part)[:80]!r} is not a text part "
-                    "({'type': 'text', 'text': ...}); only text conversations are supported"
+                    "({'type': 'text', 'text': ...}) nor an image part ({'type': 'image_url', 'image_url': "
+                    "{'url': PATH or data URL}}); those are the parts eagle reads"
                 )
         return "".join(parts)
     raise DataError(
