@@ -112,6 +112,43 @@ def start_all(servers: list[ServedModel], timeout: float = 180.0) -> None:
         s.wait_ready(timeout)
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """The fake servers' request handler: quiet, answers JSON, and can drop a connection the way the kernel
+    drops a killed process's (`reset`)."""
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:  # the connection was reset on purpose
+            pass
+
+    def _send(self, code: int, payload: str | dict[str, Any]) -> None:
+        data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def reset(self) -> None:
+        """Break the connection: SO_LINGER 0 makes close() send a RST, as for a killed process's sockets."""
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.request.close()
+        self.close_connection = True
+
+
+def serve_in_thread(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, threading.Thread]:
+    """A server on a free port of 127.0.0.1 answering with `handler`, in a daemon thread (started)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 class FakeServer:
     """An OpenAI-compatible server in a thread on 127.0.0.1. `reply(body) -> (text, ids)` answers a
     completion; `fault` (None | "reset" | an HTTP status | "hang") takes over after `fail_after`
@@ -133,24 +170,7 @@ class FakeServer:
         self.lock = threading.Lock()
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # quiet
-                pass
-
-            def finish(self) -> None:
-                try:
-                    super().finish()
-                except OSError:  # the connection was reset on purpose
-                    pass
-
-            def _send(self, code: int, payload: str) -> None:
-                data = payload.encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 if self.path != "/v1/models":
                     return self._send(404, '{"error": "not found"}')
@@ -170,11 +190,7 @@ class FakeServer:
                     if not failing:
                         fake.answered += 1
                 if failing and fake.fault == "reset":
-                    # SO_LINGER 0: close() sends a RST, as the kernel does for a killed process's sockets.
-                    self.request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    self.request.close()
-                    self.close_connection = True
-                    return
+                    return self.reset()
                 if failing and fake.fault == "hang":
                     time.sleep(30)
                     return
@@ -188,10 +204,7 @@ class FakeServer:
                     choice["token_ids"] = ids
                 self._send(200, json.dumps({"id": "x", "object": "text_completion", "choices": [choice]}))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.httpd, self.thread = serve_in_thread(Handler)
 
     @property
     def url(self) -> str:

@@ -16,12 +16,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
-import struct
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle.train.stream.client import StreamRecipe
+from tests.support.servers import JsonHandler, serve_in_thread
 from tests.support.standin_vllm_worker import vllm_convention_states
 
 
@@ -54,24 +52,7 @@ class FakeStatesServer:
         self.lock = threading.Lock()
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def finish(self) -> None:
-                try:
-                    super().finish()
-                except OSError:
-                    pass
-
-            def _send(self, code: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 if self.path != "/v1/models":
                     return self._send(404, {"error": "not found"})
@@ -94,10 +75,7 @@ class FakeStatesServer:
                     if not failing:
                         fake.answered += 1
                 if failing:
-                    self.request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    self.request.close()
-                    self.close_connection = True
-                    return
+                    return self.reset()
                 ids = [int(t) for t in body["prompt"]]
                 if len(ids) + int(body.get("max_tokens", 16)) > fake.recipe.max_model_len or (
                     tuple(ids) in fake.refuse_prompts
@@ -121,11 +99,8 @@ class FakeStatesServer:
                     200, {"id": "cmpl-x", "choices": [choice], "kv_transfer_params": {"hidden_states_path": path}}
                 )
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd, self.thread = serve_in_thread(Handler)
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
 
     @property
     def url(self) -> str:
