@@ -76,15 +76,40 @@ def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> list
     return [step_loss_mask(loss_mask, valid, i) for i in range(steps)]
 
 
+def target_positions(batch: dict[str, Any]) -> torch.Tensor | None:
+    """[3, B, T] long: the M-RoPE rows of every sequence index as the target numbers them (an M-RoPE
+    vision-language target's batch: `eagle.capture.features.extract_features`), or None when they are the
+    sequence index itself (every text-only target).
+
+    Heads read positions derived from these the way vLLM derives a draft's: the input at index t (x_{t+1}
+    with f_t) sits at f_t's position + 1 (vLLM: at f_t's position; a shift by one in every row, which
+    rotary attention does not see), and a draft i steps further at + i in every row. On text all three
+    rows are t, so this is exactly the sequence-index rule the heads use without them."""
+    pos = batch.get("positions")
+    return None if pos is None else pos.long().permute(2, 0, 1)
+
+
+def take_positions(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] or [R, B, T], index [B, N] -> the positions at those indices, [B, N] or [R, B, N]."""
+    if positions.dim() == 2:
+        return positions.gather(1, index)
+    return positions.gather(2, index.expand(positions.shape[0], -1, -1))
+
+
 def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor]:
     """Shift a collated batch to the head's alignment (`eagle.heads.base`): index t reads x_{t+1}
-    and f_t and predicts x_{t+2}."""
+    and f_t and predicts x_{t+2}. An M-RoPE target's batch also gets "positions" [3, B, T], the
+    step-0 position rows (`target_positions` + 1); without it the heads count t + 1."""
     attn = batch["attention_mask"].to(torch.bool)  # [B, T]
-    return {
+    out = {
         "input_ids": shift_left(batch["input_ids"], 1, pad_id),  # [B, T] x_{t+1}
         "valid": shift_left(attn, 1, False),  # [B, T] x_{t+1} is a real token
         "loss_mask": shift_left(batch["loss_mask"].to(torch.bool), 2, False),  # [B, T] x_{t+2} is a target
     }
+    rows = target_positions(batch)
+    if rows is not None:
+        out["positions"] = rows + 1  # [3, B, T]
+    return out
 
 
 HeadT = TypeVar("HeadT", bound=DraftHead)

@@ -35,11 +35,14 @@ CONFIG_NAME = HEAD_CONFIG
 _EXTRA_KEY = "eagle_extra"
 
 
-def _rope_parameters(text: Any) -> dict[str, Any]:
+def _rope_parameters(text: Any, m_rope: bool = True) -> dict[str, Any]:
     """The target's RoPE parameters as one flat dict.
 
     Targets with per-layer-type RoPE (e.g. Gemma 3: sliding vs full attention) keep a dict per
     layer type; the head attends over the whole context, so it takes the full-attention one.
+    m_rope=False drops a vision-language target's M-RoPE fields: vLLM refuses an M-RoPE draft that
+    drafts in parallel (DFlash, P-EAGLE: `_raise_if_mrope`) and gives such a 1-D draft the time row
+    of the target's positions, which is what the head's rotary then reads (`RotaryEmbedding`).
     """
     rope = getattr(text, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
@@ -50,6 +53,9 @@ def _rope_parameters(text: Any) -> dict[str, Any]:
     rope = dict(rope)
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", 10000.0)
+    if not m_rope:
+        rope.pop("mrope_section", None)
+        rope.pop("mrope_interleaved", None)
     if rope["rope_type"] == "default":
         # The head's default RoPE rotates its whole head_dim (`eagle.heads.layers.rope_inv_freq`); a partial
         # factor copied from the target (DeepSeek-V4: 0.125) would tell an engine reading the exported
@@ -193,7 +199,7 @@ def head_config_from_target(
         rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
         attention_bias=bool(getattr(text, "attention_bias", False) or False),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096) or 4096),
-        rope_parameters=_rope_parameters(text),
+        rope_parameters=_rope_parameters(text, m_rope=not head_cls.drafts_block),
         aux_layer_ids=aux,
         target_model_type=str(getattr(text, "model_type", "") or ""),
         target_fingerprint=target_info.fingerprint if target_info is not None else "",

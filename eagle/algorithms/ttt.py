@@ -75,7 +75,7 @@ def ttt_forward(
     hidden0: torch.Tensor,  # [B, T, H] step-0 hidden states (head.project_features of the target's)
     attention_mask: torch.Tensor,  # [B, T] 1 = real step-0 input
     steps: int,
-    position_ids: torch.Tensor | None = None,  # [B, T] step-0 positions; default ttt_position_ids
+    position_ids: torch.Tensor | None = None,  # [B, T] or [3, B, T] step-0 positions; default ttt_position_ids
     pad_token_id: int = 0,
     dense_mask: bool = False,
 ) -> list[torch.Tensor]:

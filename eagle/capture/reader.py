@@ -24,7 +24,7 @@ from eagle.errors import CaptureError
 from eagle.target.loading import TargetInfo
 from eagle.target.structure import default_aux_layer_ids
 
-FEATURE_NAMES = ("final_hidden", "aux_hidden")
+FEATURE_NAMES = ("final_hidden", "aux_hidden", "positions")  # positions: [T, 3] int32, M-RoPE targets only
 
 
 def check_compatible(
@@ -166,6 +166,8 @@ class CaptureDataset(Dataset):
         costs memory bandwidth only.
         """
         for name in self.features:
+            if name == "positions":  # integers: nothing to overflow
+                continue
             view = handle.get_slice(name)
             total = view.get_shape()[0]
             for lo in range(0, total, rows):

@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eagle.algorithms import get_algorithm
-from eagle.capture.features import check_layer_ids, extract_features, idle_forward, vision_batch
+from eagle.capture.features import check_layer_ids, extract_features, has_mrope_positions, idle_forward, vision_batch
 from eagle.capture.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -176,11 +176,14 @@ def build_header(
     capture: CaptureConfig,
     jobs: Sequence[ShardJob],
     engine: dict[str, Any] | None = None,
+    mrope: bool = False,
 ) -> dict[str, Any]:
-    """Everything in `manifest.json` except the shard list."""
+    """Everything in `manifest.json` except the shard list; `mrope`: the target numbers tokens with M-RoPE rows."""
     features = {"final_hidden": [info.hidden_size]}
     if aux_layer_ids:
         features["aux_hidden"] = [len(aux_layer_ids), info.hidden_size]
+    if mrope:  # an M-RoPE target's rotary positions, int32 (`extract_features`)
+        features["positions"] = [3]
     splits = {}
     for split in SPLITS:
         mine = [j for j in jobs if j.split == split]
@@ -317,11 +320,19 @@ def _capture_shard(
         # Only batches with images pass them: capture.backend=vllm's forward takes text (refused earlier).
         feats = forward(ids, mask, aux_layer_ids, images) if any(images) else forward(ids, mask, aux_layer_ids)
         for name, value in feats.items():
-            # Cast on the device first: half the bytes cross to the host.
-            stored = value.to(storage)  # [b, T, ...]
-            check_finite_features(
-                name, value, stored, mask.to(value.device), aux_layer_ids, capture.dtype, [convs[i].id for i in batch]
-            )
+            if not value.is_floating_point():  # M-RoPE positions: integers, kept exact
+                stored = value.to(torch.int32)
+            else:  # Cast on the device first: half the bytes cross to the host.
+                stored = value.to(storage)  # [b, T, ...]
+                check_finite_features(
+                    name,
+                    value,
+                    stored,
+                    mask.to(value.device),
+                    aux_layer_ids,
+                    capture.dtype,
+                    [convs[i].id for i in batch],
+                )
             value = stored.cpu()  # [b, T, ...]
             slots = out.setdefault(name, [None] * len(convs))
             for row, i in enumerate(batch):
@@ -436,7 +447,8 @@ def _plan(
     jobs = plan_shards(splits, capture.shard_size)
     if not jobs:
         raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
-    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, source.engine)
+    mrope = source.model is not None and has_mrope_positions(source.model)
+    header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, source.engine, mrope)
     return _CaptureRun(root, source, capture, algorithm, aux_layer_ids, jobs, header, state, log)
 
 

@@ -5,6 +5,7 @@
     <output_dir>/<split>/shard-00000.safetensors  `shard_size` conversations, concatenated:
         input_ids [N] int32, loss_mask [N] uint8, offsets [n + 1] int64 (conversation boundaries),
         final_hidden [N, H], aux_hidden [N, 3, H] (EAGLE-3 only), features in `capture.dtype`;
+        positions [N, 3] int32 (an M-RoPE target's rotary rows: time, height, width);
         safetensors metadata "eagle_capture": JSON {format, split, index, ids (conversation ids)}.
 
 Shard k of a split always holds conversations [k * shard_size, (k + 1) * shard_size) of that split,
@@ -121,7 +122,9 @@ def write_shard(
         "offsets": offsets,  # [n + 1]
     }
     for name, parts in features.items():
-        tensors[name] = torch.cat(parts, 0).to(STORAGE_DTYPES[dtype]).contiguous()  # [N, ...]
+        joined = torch.cat(parts, 0)  # [N, ...]
+        # Features in the storage dtype; integer rows (M-RoPE positions) as they are.
+        tensors[name] = (joined.to(STORAGE_DTYPES[dtype]) if joined.is_floating_point() else joined).contiguous()
         if tensors[name].shape[0] != offsets[-1]:
             raise AssertionError(f"{name} has {tensors[name].shape[0]} rows for {int(offsets[-1])} tokens")
     name = shard_file(split, index)

@@ -48,13 +48,13 @@ from eagle.decode.draft import (
     uses_sampled_drafts,
 )
 from eagle.decode.lookup import LookupStats, NgramLookup, graft_chain
-from eagle.decode.multimodal import begin_prompt, decoding_target
+from eagle.decode.multimodal import VisionTarget, begin_prompt, decoding_target
 from eagle.decode.stopping import StopChecker, eos_ids
 from eagle.decode.target import new_cache, target_forward, verify_plan
 from eagle.decode.tree import Tree, compile_static_tree
 from eagle.errors import EagleError
 from eagle.heads.base import DraftHead
-from eagle.heads.layers import inference_copy
+from eagle.heads.layers import inference_copy, uses_mrope
 from eagle.heads.quantize import int8_kind, quantize_head_int8
 from eagle.target.multimodal import VisionInputs
 from eagle.target.precision import dtype_name, resolve_draft_dtype, resolve_draft_weights
@@ -351,6 +351,22 @@ class SpeculativeGenerator:
         or None for a head that keeps only the context (DFlash)."""
         return self.head.commit(hcache, tokens, features, positions)
 
+    def _head_positions(self, start: int, n: int) -> torch.Tensor:
+        """The positions the head reads for the target features of sequence indices start .. start + n - 1
+        (`DraftHead.commit`): the indices, or on a vision-language target the target's own position rows of
+        them as vLLM hands them to its draft (`eagle.algorithms.base.target_positions`): all three M-RoPE
+        rows [3, n] for an M-RoPE head, the time row [n] for another."""
+        sequence = torch.arange(start, start + n, device=self.device)  # [n]
+        if not isinstance(self.target, VisionTarget):
+            return sequence
+        rows = self.target.positions(sequence)[1:, 0]  # [3, n]
+        return rows if uses_mrope(self.head.config) else rows[0]
+
+    def _head_root(self, root_pos: int) -> int:
+        """The root's position for drafting (the sequence index of the newest accepted token): past the
+        prompt a vision-language target's three rows are all `index + delta`, so one integer says them."""
+        return root_pos + self.target.delta if isinstance(self.target, VisionTarget) else root_pos
+
     def _replay(self, tcache, snapshot: StateSnapshot, accepted: torch.Tensor, root_pos: int) -> float:
         """After a partial acceptance on a target with state layers: states back to before the verify pass,
         keys and values cropped to it, and the accepted path (root first, [m]) run again so that every
@@ -428,7 +444,7 @@ class SpeculativeGenerator:
             run.hcache,
             torch.cat([prompt[1:], torch.tensor([run.root], device=self.device)]),
             out.features,
-            torch.arange(n, device=self.device),
+            self._head_positions(0, n),
         )
         res.timings.draft_s += time.perf_counter() - t0
         run.root_pos = n  # = target cache length: the root is not yet in it
@@ -439,7 +455,7 @@ class SpeculativeGenerator:
         tokens, the acceptance, the verify pass's features)."""
         res, root_pos = run.res, run.root_pos
         t0 = time.perf_counter()
-        tree = self._draft(run.hcache, run.root, run.root_hidden, root_pos)
+        tree = self._draft(run.hcache, run.root, run.root_hidden, self._head_root(root_pos))
         chain = run.lookup.propose(self.cfg.lookup_tokens) if run.lookup is not None else []
         tree, grafted = self._graft(tree, chain)
         t1 = time.perf_counter()
@@ -496,9 +512,7 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         new = torch.tensor(acc.tokens, device=self.device)  # accepted drafts + bonus
         m = new.numel()
-        run.root_hidden = self._commit(
-            run.hcache, new, features[acc.nodes], torch.arange(run.root_pos, run.root_pos + m, device=self.device)
-        )
+        run.root_hidden = self._commit(run.hcache, new, features[acc.nodes], self._head_positions(run.root_pos, m))
         commit_s = time.perf_counter() - t0
         run.res.timings.draft_s += commit_s
         self._commit_s = commit_s if self._commit_s == 0 else 0.8 * self._commit_s + 0.2 * commit_s

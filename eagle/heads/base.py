@@ -156,7 +156,7 @@ class DraftHead(nn.Module, ABC):
         self,
         input_ids: torch.Tensor,  # [B, T]
         hidden: torch.Tensor,  # [B, T, H]
-        position_ids: torch.Tensor,  # [B, T]
+        position_ids: torch.Tensor,  # [B, T], or [3, B, T] M-RoPE rows (`eagle.heads.layers.RotaryEmbedding`)
         attention_mask: torch.Tensor | None = None,  # bool [B, 1, T, T_past + T] or None (causal)
         past_key_values: Any | None = None,  # transformers.Cache
     ) -> torch.Tensor:
@@ -202,11 +202,13 @@ class DraftHead(nn.Module, ABC):
     def commit(
         self, cache: Any, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor | None:
-        """Append verified entries to the decode cache: target features [T, k, Ht] at `positions` [T],
-        each with the token after it `tokens` [T]. Returns the output hidden [H] of the last entry, the
-        input that drafts the next step (EAGLE), or None for a head that keeps only the context."""
+        """Append verified entries to the decode cache: target features [T, k, Ht] at `positions` [T] (or
+        an M-RoPE head's [3, T] rows), each with the token after it `tokens` [T]. Returns the output hidden
+        [H] of the last entry, the input that drafts the next step (EAGLE), or None for a head that keeps
+        only the context."""
         hidden = self.project_features(features[None])  # [1, T, H]
-        out = self(tokens[None], hidden, (positions + 1)[None], attention_mask=None, past_key_values=cache)
+        pos = (positions + 1)[..., None, :]  # [1, T] or [3, 1, T]
+        out = self(tokens[None], hidden, pos, attention_mask=None, past_key_values=cache)
         return out[0, -1]  # [H]
 
     def draft_block(

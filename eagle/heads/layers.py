@@ -122,8 +122,47 @@ def rope_inv_freq(cfg: HeadConfig) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def uses_mrope(cfg: HeadConfig) -> bool:
+    """Whether the head rotates with M-RoPE rows (its RoPE parameters carry a target's `mrope_section`)."""
+    return bool(cfg.rope_parameters.get("mrope_section"))
+
+
+def mrope_rows(cfg: HeadConfig) -> torch.Tensor | None:
+    """[D'] long: which M-RoPE row (0 time, 1 height, 2 width) rotates each of the D' rotary dimensions,
+    or None for a head without M-RoPE (no `mrope_section` in its RoPE parameters).
+
+    A vision-language target (Qwen2-VL / 2.5-VL / 3-VL) gives every token three positions and rotates
+    each frequency by one of them. `mrope_section` [s_t, s_h, s_w] counts the frequencies per row:
+    contiguous (Qwen2/2.5-VL: the first s_t frequencies time, the next s_h height, the rest width) or,
+    with `mrope_interleaved` (Qwen3-VL), height on frequencies 1, 4, 7, ... (< 3 s_h), width on 2, 5,
+    8, ... (< 3 s_w), time on the rest: transformers' `recomposition_frequencies` and vLLM's
+    `MRotaryEmbedding`, which rotate the draft with the same rule (tested against both layouts).
+    """
+    if not uses_mrope(cfg):
+        return None
+    section = cfg.rope_parameters["mrope_section"]
+    half = len(rope_inv_freq(cfg)[0])  # frequencies
+    s_t, s_h, s_w = (int(x) for x in section)
+    j = torch.arange(half)
+    if cfg.rope_parameters.get("mrope_interleaved"):
+        rows = torch.zeros(half, dtype=torch.long)
+        rows[(j % 3 == 1) & (j < 3 * s_h)] = 1
+        rows[(j % 3 == 2) & (j < 3 * s_w)] = 2
+    else:
+        if s_t + s_h + s_w != half:
+            raise ValueError(f"mrope_section={list(section)} does not add up to the {half} rotary frequencies")
+        rows = (j >= s_t).long() + (j >= s_t + s_h).long()
+    return torch.cat([rows, rows])  # the cos / sin layout repeats the frequencies (half-split)
+
+
 class RotaryEmbedding(nn.Module):
     """position ids [B, T] -> (cos, sin) [B, T, head_dim]; half-split (Llama) layout.
+
+    A vision-language target numbers its tokens with three rows (M-RoPE: [3, B, T], time, height,
+    width; equal on text). A head with M-RoPE (`mrope_rows`) rotates each dimension by its row; a head
+    without reads the time row, which is what vLLM gives a 1-D draft of an M-RoPE target
+    (`_set_positions`: `positions[0]`). [B, T] ids on an M-RoPE head mean three equal rows, where
+    M-RoPE is plain RoPE.
 
     cos / sin come from a table over positions 0 .. n - 1 (per dtype and device, grown to the next
     power of two when a larger position shows up), so a call is one lookup instead of a dozen
@@ -138,6 +177,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # A plain attribute, not a buffer: never in a checkpoint, never cast by `.to(dtype)`.
         self.inv_freq, self.attention_scaling = rope_inv_freq(cfg)  # [D / 2] float32
+        self.rows = mrope_rows(cfg)  # [D] M-RoPE row of each dimension, None = 1-D RoPE
         self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [n, 2, D] cos, sin
 
     def table(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -153,8 +193,15 @@ class RotaryEmbedding(nn.Module):
         return cached
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] or M-RoPE rows [3, B, T] -> (cos, sin) [B, T, D]."""
+        if position_ids.dim() == 3 and self.rows is None:
+            position_ids = position_ids[0]  # [B, T] the time row
         table = self.table(int(position_ids.max()) + 1, dtype, position_ids.device)
-        cos_sin = table[position_ids]  # [B, T, 2, D]
+        cos_sin = table[position_ids]  # [B, T, 2, D] or [3, B, T, 2, D]
+        if position_ids.dim() == 3:
+            assert self.rows is not None
+            rows = self.rows.to(position_ids.device).expand(1, *cos_sin.shape[1:])  # [1, B, T, 2, D]
+            cos_sin = cos_sin.gather(0, rows)[0]  # [B, T, 2, D]: dimension d from row rows[d]
         return cos_sin[..., 0, :], cos_sin[..., 1, :]
 
 

@@ -19,7 +19,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.base import Algorithm, LossParts, LossSettings, own_head, token_norms
+from eagle.algorithms.base import (
+    Algorithm,
+    LossParts,
+    LossSettings,
+    own_head,
+    take_positions,
+    target_positions,
+    token_norms,
+)
 from eagle.algorithms.dflash import transformers_drafter
 from eagle.algorithms.dflash.head import DFlashHead
 from eagle.algorithms.objectives import dpace_weights, position_weights, token_losses
@@ -176,8 +184,13 @@ class DFlash(Algorithm):
         anchors, valid = batch["anchors"], batch["attention_mask"].to(torch.bool)  # [B, A], [B, T]
         b, t = valid.shape
         ctx = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
-        context_kv = own_head(head, DFlashHead).context_kv(ctx, torch.arange(t, device=ctx.device).expand(b, t))
+        rows = target_positions(batch)  # [3, B, T] an M-RoPE target's; the head reads the time row
+        seq = torch.arange(t, device=ctx.device).expand(b, t) if rows is None else rows  # [B, T] or [3, B, T]
+        context_kv = own_head(head, DFlashHead).context_kv(ctx, seq)
         ids, pos = block_inputs(batch["input_ids"], anchors, q_len, head.config.block_mask_id())  # [B, A*Q]
+        if rows is not None:  # block position j: the anchor's target position + j
+            pos = take_positions(rows, anchors.clamp(min=0)).unsqueeze(-1) + torch.arange(q_len, device=pos.device)
+            pos = pos.flatten(-2)  # [3, B, A*Q]
         mask = block_attention_mask(anchors, valid, q_len)  # [B, 1, A*Q, T + A*Q]
         out = head(ids, None, pos, attention_mask=mask, past_key_values=context_kv)  # [B, A*Q, H]
         out = out.view(b, -1, q_len, out.shape[-1])[:, :, 1:]  # [B, A, Q-1, H] the draft positions

@@ -81,7 +81,14 @@ class Eagle1(Algorithm):
         feats = add_feature_noise(batch["final_hidden"], s.noise_std, training=s.noise_std > 0)  # [B, T, H]
         hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
         outs = ttt_forward(
-            head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id, dense_mask=s.dense_ttt_mask
+            head,
+            a["input_ids"],
+            hidden0,
+            a["valid"],
+            s.steps,
+            position_ids=a.get("positions"),  # an M-RoPE target's rows, else t + 1
+            pad_token_id=s.pad_id,
+            dense_mask=s.dense_ttt_mask,
         )  # steps x [B, T, H]
         with torch.no_grad():
             next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}

@@ -131,7 +131,14 @@ class Eagle3(Algorithm):
         a = aligned_inputs(batch, s.pad_id)
         hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
         outs = ttt_forward(
-            head, a["input_ids"], hidden0, a["valid"], s.steps, pad_token_id=s.pad_id, dense_mask=s.dense_ttt_mask
+            head,
+            a["input_ids"],
+            hidden0,
+            a["valid"],
+            s.steps,
+            position_ids=a.get("positions"),  # an M-RoPE target's rows, else t + 1
+            pad_token_id=s.pad_id,
+            dense_mask=s.dense_ttt_mask,
         )  # steps x [B, T, H]
         # Logits only where a step's loss reads them, labels only at loss tokens (not at prompts or padding).
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)

@@ -30,6 +30,7 @@ from eagle.algorithms.base import (
     LossSettings,
     aligned_inputs,
     own_head,
+    take_positions,
     unroll_decay,
     unrolled_soft_ce,
 )
@@ -189,7 +190,8 @@ class PEagle(Eagle3):
             own_head(head, PEagleHead).slot_hidden(b * n_slots).view(b, n_slots, -1).to(hidden0.dtype)
         )  # [B, S, H]
         ids = torch.cat([a["input_ids"], torch.full_like(anchor, head.config.block_mask_id())], dim=1)  # [B, T + S]
-        pos = torch.cat([torch.arange(1, t + 1, device=ids.device).expand(b, t), anchor.clamp(min=0) + 1 + depth], 1)
+        base = a.get("positions", torch.arange(1, t + 1, device=ids.device).expand(b, t))  # [B, T] or [3, B, T]
+        pos = torch.cat([base, take_positions(base, anchor.clamp(min=0)) + depth], -1)  # slot: anchor's + 1 + j
         mask = parallel_attention_mask(a["valid"], anchor, depth)  # [B, 1, T + S, T + S]
         out = head(ids, torch.cat([hidden0, slot_hidden], dim=1), pos, attention_mask=mask)  # [B, T + S, H]
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], 1)  # depth 0, as EAGLE-3's step 0

@@ -75,6 +75,13 @@ def build_stream_splits(
         )
     with accelerator.main_process_first():
         splits = build_splits(cfg.data, tokenizer, progress=accelerator.is_main_process)
+    with_images = [c.id for c in (*splits.train, *splits.heldout) if getattr(c, "images", ())]
+    if with_images:  # the server is sent token ids: an image's pixels would never reach the target
+        raise ConfigError(
+            f"train.mode=stream sends token ids to vLLM, but {len(with_images)} conversation(s) of {cfg.data.path} hold "
+            f"images (first: {with_images[0]!r}); train a vision-language target with train.mode=online or from "
+            "an eagle-capture capture. Nothing was trained"
+        )
     recipe = recipe_for(cfg, info, target.config)
     transport = SharedFileTransport(storage_dir(cfg))
     # What a trainer killed mid-run left behind: no live request waits twice the timeout.
