@@ -1,12 +1,17 @@
-"""Vision-language targets, text-only heads (issue #51): a tiny random Qwen3-VL (tests/tiny_models.make_vl_model,
-its image processor built locally) through every stage with images in the conversations and the prompts.
+"""Vision-language targets, text-only heads (issue #51): tiny random Qwen3-VL and Gemma 3 (tests/tiny_models.
+make_vl_model, their processors built locally) through every stage with images in the conversations and the prompts.
+Every test runs on each of VL_FAMILIES: Qwen3-VL (M-RoPE, images as runs of `<|image_pad|>`) and Gemma 3 (1-D
+RoPE, `<start_of_image>` expanded by its processor into `\n\n<start_of_image>`, soft tokens, `<end_of_image>\n\n`,
+and attention both ways inside an image in the prefill).
 
   * data: OpenAI `image_url` parts and ShareGPT `images` lists become image parts; the rendering holds each
-    image's tokens (as many as the processor's merged patches), masked from the loss;
-  * capture and online training run the target with the pixel inputs (features at every position);
-  * decoding gives the target the prompt's pixels and M-RoPE positions: greedy output identical to HF
-    `generate` in float32, for the speculative decoder and the plain one;
-  * export for vLLM names `Eagle3Qwen3vlForCausalLM` and keeps the M-RoPE fields; `eagle-export --check` passes;
+    image's tokens (as many as the processor says), masked from the loss; where the whole processor loads
+    (Gemma 3's) the ids are its own;
+  * capture and online training run the target with the image inputs (features at every position);
+  * decoding gives the target the prompt's image inputs, positions and prefill masks: greedy output identical to
+    HF `generate` in float32, for the speculative decoder and the plain one;
+  * export for vLLM names `Eagle3Qwen3vlForCausalLM` and keeps the M-RoPE fields for Qwen3-VL, the plain
+    `Eagle3LlamaForCausalLM` for Gemma 3; `eagle-export --check` passes;
   * bad input (a missing image, one that does not decode, images for a text-only target) stops with a message
     naming the record, exit status 2.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,33 +36,53 @@ from eagle.cli.app import compose
 from eagle.config import TargetConfig
 from eagle.data.dataset import build_splits
 from eagle.data.eval_prompts import EvalPrompt, load_eval_prompts
+from eagle.data.images import open_image
 from eagle.data.records import normalise_record
-from eagle.data.template import tokenize_with_reason
+from eagle.data.template import render, tokenize_with_reason
 from eagle.decode import SpeculativeGenerator, autoregressive_generate
-from eagle.errors import DataError
+from eagle.decode.multimodal import VisionTarget
+from eagle.decode.target import new_cache, target_forward, verify_plan
+from eagle.errors import DataError, TargetError
 from eagle.evaluate import evaluate
 from eagle.evaluate.baselines import hf_generate
-from eagle.evaluate.runner import prompt_vision, turn_inputs
+from eagle.evaluate.runner import prompt_vision, turn_inputs, user_message
 from eagle.export import export_head
 from eagle.export.validate import check_folder
 from eagle.regenerate.runner import run_regenerate
 from eagle.target.loading import load_target
+from eagle.target.multimodal import VisionProcessor, builds_image_masks, load_vision_processor
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, random_head
 from tests.support.train import train_overrides
-from tests.tiny_models import save_model, save_vl_model, write_images
+from tests.tiny_models import VL_FAMILIES, save_model, save_vl_model, write_images
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 QUESTIONS = ["What is in this picture?", "Describe the colours.", "Is it a photograph?", "Count the objects."]
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory) -> dict[str, Path]:
-    """A saved tiny Qwen3-VL, three images, a conversation file with images in both shapes (and text-only
-    conversations), and its capture."""
-    root = tmp_path_factory.mktemp("vl")
-    target = save_vl_model(root / "target")
+# Per family: image tokens of image0 (40 x 60) and image2 (90 x 50), the vLLM draft architecture, draft settings.
+# Qwen3-VL resizes to 16-px patches merged 2 x 2 (32 x 64: 2 tokens; 96 x 48: 6); Gemma 3 to 32 x 32, 4 tokens.
+FACTS = {
+    "qwen3_vl": {"tokens": (2, 6), "vllm": "Eagle3Qwen3vlForCausalLM", "draft": []},
+    # vLLM and SGLang build draft layers with SiLU only; Gemma's MLP is GELU (format=vllm refuses that head).
+    "gemma3_vl": {"tokens": (4, 4), "vllm": "LlamaForCausalLMEagle3", "draft": ["draft.hidden_act=silu"]},
+}
+
+
+def _vision(vl) -> VisionProcessor:
+    vision = load_vision_processor(str(vl["target"]))
+    assert vision is not None
+    return vision
+
+
+@pytest.fixture(scope="module", params=VL_FAMILIES)
+def vl(request, tmp_path_factory) -> dict[str, Path]:
+    """A saved tiny vision-language target of each family, three images, a conversation file with images in both
+    shapes (and text-only conversations), and its capture."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    target = save_vl_model(root / "target", family=family)
     images = write_images(root / "images")
     convs = root / "convs.jsonl"
     with open(convs, "w") as f:
@@ -90,10 +116,11 @@ def vl(tmp_path_factory) -> dict[str, Path]:
         "capture.shard_size=4",
         "draft.algorithm=eagle3",
         "draft.draft_vocab_size=128",
+        *FACTS[family]["draft"],
         "device=cpu",
     ]
     run_capture(compose([*base, f"output_dir={root / 'capture'}"]))
-    return {"root": root, "target": target, "images": images[0].parent, "convs": convs, "base": base}  # type: ignore[dict-item]
+    return {"root": root, "target": target, "images": images[0].parent, "convs": convs, "base": base, "family": family}  # type: ignore[dict-item]
 
 
 def _messages_with_image(path: Path, text: str) -> dict:
@@ -113,19 +140,59 @@ def test_image_parts_are_rendered_as_image_tokens_masked_from_the_loss(vl):
     tok = AutoTokenizer.from_pretrained(vl["target"])
     splits = build_splits(cfg, tok, progress=False)
     convs = {c.id: c for c in (*splits.train, *splits.heldout)}
-    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    image_id = _vision(vl).image_token_id
     for cid, c in convs.items():
         n_image = sum(t == image_id for t in c.input_ids)
         assert bool(c.images) == (cid[0] in "os") and (n_image > 0) == bool(c.images)
         assert all(m == 0 for t, m in zip(c.input_ids, c.loss_mask, strict=True) if t == image_id)
-    # The first image is 40 x 60: resized to 32 x 64, 2 x 4 patches of 16, merged 2 x 2: 2 tokens.
-    assert sum(t == image_id for t in convs["o0"].input_ids) == 2
+    # The first image is 40 x 60 (FACTS: its image tokens, as the processor resizes it).
+    assert sum(t == image_id for t in convs["o0"].input_ids) == FACTS[vl["family"]]["tokens"][0]
     # A data URL is an image too; the same ids as the file.
     data_url = "data:image/png;base64," + base64.b64encode((vl["images"] / "image0.png").read_bytes()).decode()
     a = normalise_record(_messages_with_image(vl["images"] / "image0.png", "hi"), index=0, source="x")
     b = normalise_record(_messages_with_image(data_url, "hi"), index=1, source="x")  # type: ignore[arg-type]
     assert a.messages[0]["content"] == b.messages[0]["content"] == "hi"
     assert [p["type"] for p in b.messages[0]["parts"]] == ["image", "text"]
+
+
+def test_image_text_is_the_processors_own(vl):
+    """Where the whole processor loads (Gemma 3's; Qwen3-VL's needs torchvision), the ids of a training
+    conversation and of an evaluation prompt are exactly what it makes of the template's rendering: the text
+    around each image's tokens included (Gemma 3: `\n\n<start_of_image>` ... `<end_of_image>\n\n`), tokenised
+    with its neighbours as the processor tokenises it."""
+    vision = _vision(vl)
+    if vision.processor is None:
+        assert vl["family"] == "qwen3_vl", vision.no_processor  # images as runs of the image token alone
+        return
+    tok = AutoTokenizer.from_pretrained(vl["target"])
+    image = vl["images"] / "image0.png"
+    conv = normalise_record(_messages_with_image(image, "What is in this picture?"), index=0, source="x")
+    ours, _ = tokenize_with_reason(conv, tok, 512, "truncate")
+    assert ours is not None and any(ours.loss_mask)
+    text = render(tok, conv.messages, add_generation_prompt=False)
+    expected = vision.processor(text=[text], images=[[open_image(str(image), "x")]])["input_ids"][0]
+    assert ours.input_ids == list(expected)
+    assert "\n\n" in vision.before and vision.before.endswith("<start_of_image>")
+    prompt = EvalPrompt("p", ["<image>\nWhat is in this picture?"], images=[str(image)])
+    text = render(tok, [user_message(prompt, 0)], add_generation_prompt=True)
+    expected = vision.processor(text=[text], images=[[open_image(str(image), "x")]])["input_ids"][0]
+    assert turn_inputs(tok, prompt, [])[0][0].tolist() == list(expected)
+
+
+def test_a_processor_that_does_not_load(vl, tmp_path):
+    """Without its whole processor, a family whose config names a begin-of-image token (Gemma 3) is refused, naming
+    the folder: only that processor says the text around an image's tokens. Qwen3-VL's images are runs of its image
+    token alone, read without it (its processor needs torchvision)."""
+    folder = Path(shutil.copytree(vl["target"], tmp_path / "target"))
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "NoSuchProcessor"}))
+    tokenizer_config = folder / "tokenizer_config.json"
+    tokenizer_config.write_text(tokenizer_config.read_text().replace('"Gemma3Processor"', '"NoSuchProcessor"'))
+    if vl["family"] == "gemma3_vl":
+        with pytest.raises(TargetError, match=f"{folder} \\(gemma3\\) does not load.*begin-of-image"):
+            load_vision_processor(str(folder))
+    else:
+        vision = load_vision_processor(str(folder))
+        assert vision is not None and vision.processor is None and vision.placeholder is None
 
 
 def test_capture_holds_features_at_image_positions(vl):
@@ -170,12 +237,38 @@ def test_every_stage_with_image_prompts(vl, tmp_path):
     head = load_head(tmp_path / "offline" / "best")
     export_head(head, tmp_path / "vllm", "vllm", dtype="float32", target_path=str(vl["target"]))
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
-    assert config["architectures"] == ["Eagle3Qwen3vlForCausalLM"]
-    assert config["rope_scaling"]["mrope_section"] == [2, 3, 3] and config["rope_scaling"]["mrope_interleaved"]
+    assert config["architectures"] == [FACTS[vl["family"]]["vllm"]]
+    if vl["family"] == "qwen3_vl":  # M-RoPE: vLLM builds the draft's rotary from these
+        assert config["rope_scaling"]["mrope_section"] == [2, 3, 3] and config["rope_scaling"]["mrope_interleaved"]
+    else:  # 1-D RoPE: nothing M-RoPE in the config
+        assert "mrope_section" not in json.dumps(config)
     check_folder(tmp_path / "vllm", expect_format="vllm", num_target_layers=4)
 
 
-def test_decoding_gives_the_target_its_images_and_mrope_positions(vl):
+def test_the_prefill_runs_as_the_models_own_forward(vl):
+    """The decoder's prefill through `VisionTarget` gives the logits of the model's own forward with the same image
+    inputs at every position: Qwen3-VL's M-RoPE rows; Gemma 3's attention both ways inside an image, which plain
+    causal masks would not give (the logits differ without it)."""
+    model, tok, _ = load_target(TargetConfig(path=str(vl["target"]), dtype="float32"), stage="decode")
+    prompt = EvalPrompt("p", ["<image>\nWrite a short poem about the sea."], images=[str(vl["images"] / "image2.png")])
+    ids = turn_inputs(tok, prompt, [])[0]  # [1, T]
+    vision = prompt_vision(tok, prompt)
+    assert vision is not None
+    kw = vision.model_kwargs(ids, _vision(vl).image_token_id)
+    with torch.no_grad():
+        reference = model(input_ids=ids, **kw).logits[0]  # [T, V]
+    target = VisionTarget(model)
+    target.begin(ids[0], vision)
+    plan = verify_plan(model.config)
+    ours = target_forward(target, ids[0], torch.arange(ids.shape[1]), new_cache(model.config, plan), plan=plan)
+    torch.testing.assert_close(ours.logits, reference, rtol=1e-5, atol=1e-5)
+    if builds_image_masks(model):  # Gemma 3: an image's tokens attend to each other both ways in the prefill
+        causal = {k: v for k, v in kw.items() if k != vision.token_type_name}
+        with torch.no_grad():
+            assert (model(input_ids=ids, **causal).logits[0] - reference).abs().max() > 1e-2
+
+
+def test_decoding_gives_the_target_its_images_and_positions(vl):
     """Greedy output is HF `generate`'s with the same pixels, for trees, auto trees and chains; without the
     images the output differs (the pixels really reach the target)."""
     model, tok, _ = load_target(TargetConfig(path=str(vl["target"]), dtype="float32"), stage="decode")
@@ -260,7 +353,8 @@ def test_a_bad_image_exits_with_status_2(vl, tmp_path):
 def test_a_cut_never_splits_an_image(vl):
     """data.max_length inside an image's tokens: the cut moves before the image, which is dropped with its tokens."""
     tok = AutoTokenizer.from_pretrained(vl["target"])
-    image = str(vl["images"] / "image2.png")  # 90 x 50: 6 image tokens
+    image = str(vl["images"] / "image2.png")  # 90 x 50
+    n = FACTS[vl["family"]]["tokens"][1]  # its image tokens
     record = {
         "id": "cut",
         "messages": [
@@ -276,10 +370,12 @@ def test_a_cut_never_splits_an_image(vl):
     conv = normalise_record(record, index=0, source="x")
     whole, _ = tokenize_with_reason(conv, tok, 512, "truncate")
     assert whole is not None and whole.images == (image,)
-    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    image_id = _vision(vl).image_token_id
     first = whole.input_ids.index(image_id)
-    assert whole.input_ids[first : first + 6] == [image_id] * 6
-    cut, _ = tokenize_with_reason(conv, tok, first + 3, "truncate")
+    assert (
+        whole.input_ids[first : first + n + 1] == [image_id] * n + [whole.input_ids[first + n]] != [image_id] * (n + 1)
+    )
+    cut, _ = tokenize_with_reason(conv, tok, first + n // 2, "truncate")
     assert cut is not None and cut.truncated and cut.images == () and cut.input_ids == whole.input_ids[:first]
-    kept, _ = tokenize_with_reason(conv, tok, first + 7, "truncate")
-    assert kept is not None and kept.images == (image,) and len(kept.input_ids) == first + 7
+    kept, _ = tokenize_with_reason(conv, tok, first + n + 1, "truncate")
+    assert kept is not None and kept.images == (image,) and len(kept.input_ids) == first + n + 1

@@ -81,6 +81,8 @@ DEEPSEEK = (
     "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}"
 )
 _QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# Special tokens a family's processor reads as named tokenizer attributes (`tokenizer.boi_token`, ...).
+NAMED_SPECIALS: dict[str, dict[str, str]] = {}
 
 # template, special tokens, bos, eos
 TEMPLATES: dict[str, tuple[str, list[str], str | None, str]] = {
@@ -148,12 +150,14 @@ def make_tokenizer(family: str):
     from transformers import PreTrainedTokenizerFast
 
     template, specials, bos, eos = TEMPLATES[family]
+    named = NAMED_SPECIALS.get(family, {})  # e.g. tokenizer.boi_token, which a processor reads
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(family)),
         bos_token=bos,
         eos_token=eos,
         pad_token=specials[0],
-        additional_special_tokens=[s for s in specials if s not in (bos, eos, specials[0])],
+        additional_special_tokens=[s for s in specials if s not in (bos, eos, specials[0], *named.values())],
+        **({"extra_special_tokens": named} if named else {}),
     )
     tok.chat_template = template
     return tok
@@ -351,18 +355,50 @@ def _per_layer_config(family: str, common: dict, num_layers: int):
     raise ValueError(f"unknown family {family!r}; known: {PER_LAYER_FAMILIES}")
 
 
-# Issue #51, vision-language targets (tests/test_vl.py runs it through every stage with image prompts):
-# | family   | model class                      | notable config                                       | template          |
-# | qwen3_vl | Qwen3VLForConditionalGeneration  | 2-block vision tower (16-px patches, 2x2 merge,     | ChatML, image     |
-# |          |                                  | deepstack), interleaved M-RoPE text model           | parts as pads     |
-# Its processor is built here too: Qwen2-VL's PIL image processor (no torchvision; eagle.target.multimodal).
-VL_FAMILIES = ("qwen3_vl",)
+# Issue #51, vision-language targets (tests/test_vl.py runs them through every stage with image prompts):
+# | family    | model class                      | notable config                                      | template           |
+# | qwen3_vl  | Qwen3VLForConditionalGeneration  | 2-block vision tower (16-px patches, 2x2 merge,    | ChatML, image      |
+# |           |                                  | deepstack), interleaved M-RoPE text model          | parts as pads      |
+# | gemma3_vl | Gemma3ForConditionalGeneration   | 2-layer SigLIP tower (32-px images, 8-px patches,  | <start_of_turn>,   |
+# |           |                                  | pooled to 4 tokens), 1-D RoPE, sliding + full      | image parts as     |
+# |           |                                  | layers, bidirectional attention inside an image    | <start_of_image>   |
+# Their image processors are built here too, with the PIL backend (no torchvision; eagle.target.multimodal);
+# Gemma 3's whole processor (Gemma3Processor: the text it puts around an image's tokens) is saved beside it.
+VL_FAMILIES = ("qwen3_vl", "gemma3_vl")
 CHATML_VL = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Gemma 3's template shape: an image part renders as <start_of_image>, which its processor expands.
+GEMMA_VL = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+TEMPLATES["gemma3_vl"] = (
+    GEMMA_VL,
+    [
+        "<pad>",
+        "<bos>",
+        "<eos>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ],
+    "<bos>",
+    "<end_of_turn>",
+)
+NAMED_SPECIALS["gemma3_vl"] = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
 TEMPLATES["qwen3_vl"] = (
     CHATML_VL,
     [
@@ -389,9 +425,26 @@ def make_image_processor():
     )
 
 
-def make_vl_model(seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN):
-    """(Qwen3-VL model, tokenizer, image processor) with fixed random weights."""
-    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+def make_vl_model(family: str = "qwen3_vl", seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN):
+    """(model, tokenizer, image processor or whole processor) of a VL_FAMILIES family, fixed random weights."""
+    from transformers import AutoModelForImageTextToText
+
+    if family == "gemma3_vl":
+        cfg, tok, processor = _gemma3_vl_parts(num_layers, hidden)
+    elif family == "qwen3_vl":
+        cfg, tok, processor = _qwen3_vl_parts(num_layers, hidden)
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {VL_FAMILIES}")
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # as make_model: non-trivial greedy choices
+    model.eval()
+    return model, tok, processor
+
+
+def _qwen3_vl_parts(num_layers: int, hidden: int):
+    from transformers import Qwen3VLConfig
 
     tok = make_tokenizer("qwen3_vl")
     ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
@@ -434,21 +487,68 @@ def make_vl_model(seed: int = 0, num_layers: int = LAYERS, hidden: int = HIDDEN)
     )
     cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
     cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)  # as make_model: non-trivial greedy choices
-    model.eval()
-    return model, tok, make_image_processor()
+    return cfg, tok, make_image_processor()
 
 
-def save_vl_model(folder: Path, seed: int = 0, **kw) -> Path:
-    """The tiny Qwen3-VL as a checkpoint folder: weights, tokenizer and preprocessor_config.json."""
-    model, tok, processor = make_vl_model(seed=seed, **kw)
+GEMMA3_IMAGE_SIZE = 32  # pixels a side: every image is resized to it (8-px patches: 16, pooled to 4 tokens)
+GEMMA3_IMAGE_TOKENS = 4  # mm_tokens_per_image: the soft tokens between <start_of_image> and <end_of_image>
+
+
+def _gemma3_vl_parts(num_layers: int, hidden: int):
+    """Gemma 3's config, tokenizer and whole processor (Gemma3Processor: image processor + tokenizer)."""
+    from transformers import Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = make_tokenizer("gemma3_vl")
+    cfg = Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            # A window shorter than the test prompts, so sliding layers and the image block's bidirectional
+            # attention meet (AND(window, OR(causal, image block)) in transformers' masks).
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=GEMMA3_IMAGE_SIZE,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+        tie_word_embeddings=False,  # tied, the 8x output scale (make_vl_model) would scale the embeddings too
+    )
+    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+    cfg.bos_token_id = cfg.text_config.bos_token_id = tok.bos_token_id
+    images = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    return cfg, tok, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=GEMMA3_IMAGE_TOKENS)
+
+
+def save_vl_model(folder: Path, seed: int = 0, family: str = "qwen3_vl", **kw) -> Path:
+    """A tiny VL_FAMILIES model as a checkpoint folder: weights, tokenizer and processor config(s)."""
+    model, tok, processor = make_vl_model(family, seed=seed, **kw)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     processor.save_pretrained(folder)
+    images = getattr(processor, "image_processor", None)
+    if images is not None:  # a whole processor: its image processor's own file too, as the Hub's checkpoints have
+        images.save_pretrained(folder)
     return folder
 
 

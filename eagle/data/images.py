@@ -12,9 +12,11 @@ or a file that does not decode stops with a `DataError` naming the record (exit 
 A normalised user message with images keeps its text in `content` (what deduplication and the mask search
 read) and the ordered parts in `parts`: `{"type": "text", "text": ...}` and `{"type": "image", "image": REF}`
 with REF resolved (an absolute path or the data URL). The chat template renders each image as its
-placeholder (Qwen3-VL: `<|vision_start|><|image_pad|><|vision_end|>`); `expand_image_tokens` then repeats
-each placeholder token as many times as the image has merged patches, as the model's own processor does,
-with the loss mask 0 there (image positions are never training targets).
+placeholder (Qwen3-VL: `<|image_pad|>` inside `<|vision_start|>...<|vision_end|>`; Gemma 3: `<start_of_image>`);
+the rendering then gets each placeholder replaced by the image's text as the model's own processor writes it
+(its image tokens, one per merged patch or soft token, and the processor's text around them:
+`eagle.target.multimodal.VisionProcessor.expand`), outside every answer's span, so the loss mask is 0 there
+(image positions are never training targets).
 """
 
 from __future__ import annotations
@@ -150,33 +152,11 @@ def template_content(message: dict[str, Any]) -> Any:
     return [{"type": "image"} if p["type"] == "image" else dict(p) for p in message["parts"]]
 
 
-def expand_image_tokens(
-    ids: list[int], mask: list[int], image_id: int, counts: list[int], where: str
-) -> tuple[list[int], list[int]]:
-    """Each image placeholder token of `ids` repeated `counts[k]` times for the k-th image (mask 0 there)."""
-    found = sum(1 for t in ids if t == image_id)
-    if found != len(counts):
-        raise DataError(
-            f"{where}: the chat template rendered {found} image placeholder tokens for {len(counts)} images; "
-            "the target's template must render each image part as its image token"
-        )
-    out_ids: list[int] = []
-    out_mask: list[int] = []
-    k = 0
-    for t, m in zip(ids, mask, strict=True):
-        if t == image_id:
-            out_ids += [t] * counts[k]
-            out_mask += [0] * counts[k]
-            k += 1
-        else:
-            out_ids.append(t)
-            out_mask.append(m)
-    return out_ids, out_mask
-
-
 def keep_whole_images(ids: list[int], image_id: int, counts: list[int]) -> tuple[int, int]:
     """For a sequence cut to `ids`: (images kept whole, tokens to keep). An image whose tokens the cut split is
-    dropped with its tokens (the target cannot read part of an image), so the cut moves before it."""
+    dropped with its tokens (the target cannot read part of an image), so the cut moves before it. (Text the
+    processor writes before an image's tokens, Gemma 3's `<start_of_image>`, may stay at the end: a user turn's
+    text, masked from the loss.)"""
     pos = kept = 0
     while pos < len(ids) and kept < len(counts):
         if ids[pos] != image_id:

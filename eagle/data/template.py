@@ -49,7 +49,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from eagle.data.images import (
-    expand_image_tokens,
     image_size,
     keep_whole_images,
     message_images,
@@ -58,7 +57,7 @@ from eagle.data.images import (
 )
 from eagle.data.records import Conversation
 from eagle.errors import DataError, TargetError
-from eagle.target.multimodal import VisionInputs, load_vision_processor
+from eagle.target.multimodal import VisionInputs, VisionProcessor, load_vision_processor
 
 
 @dataclass
@@ -441,6 +440,9 @@ def tokenize_with_reason(
     limit = max_length + _CUT_MARGIN_TOKENS
     n_chars = 8 * limit
     images = message_images(conv.messages)  # rendered whole: a cut text would lose image placeholders
+    if images:  # a vision-language target's conversation: each placeholder becomes its image's text
+        vision, counts = _image_counts(tokenizer, images, f"conversation {conv.id!r}")
+        text, spans, splices = _expand_images(vision, tokenizer, text, spans, splices, counts, conv.id)
     while True:
         piece = text if n_chars >= len(text) or images else text[:n_chars]
         ids, mask, spliced, refused = _tokenize_spliced(tokenizer, piece, spans, splices, use_offsets)
@@ -449,33 +451,68 @@ def tokenize_with_reason(
         n_chars *= 2
     tc = TokenizedConversation(conv.id, ids, mask, False, fallbacks, spliced, unusable + refused)
     if images:  # a vision-language target's conversation: image tokens, whole images
-        return fit_images_to_length(*with_image_tokens(tc, conv, tokenizer), max_length, overflow)
+        _check_image_tokens(ids, vision.image_token_id, counts, f"conversation {conv.id!r}")
+        tc = replace(tc, images=tuple(images))
+        return fit_images_to_length(tc, vision.image_token_id, counts, max_length, overflow)
     return fit_to_length(tc, max_length, overflow)
 
 
-def with_image_tokens(
-    tc: TokenizedConversation, conv: Conversation, tokenizer: Any
-) -> tuple[TokenizedConversation, int, list[int]]:
-    """(`tc` with each image's placeholder token repeated once per merged patch (mask 0), as the target's
-    processor does, and the images recorded; the image token; tokens per image). `DataError` naming the
-    conversation for a text-only target."""
-    refs = message_images(conv.messages)
+def _image_counts(tokenizer: Any, refs: list[str], where: str) -> tuple[VisionProcessor, list[int]]:
+    """(the target's vision processor, each image's number of image tokens); `DataError` naming `where` for a
+    text-only target."""
     vision = load_vision_processor(str(getattr(tokenizer, "name_or_path", "") or ""))
-    where = f"conversation {conv.id!r}"
     if vision is None:
         name = getattr(tokenizer, "name_or_path", "") or "a tokenizer without a checkpoint folder"
         raise DataError(
             f"{where} holds {len(refs)} image(s) but the target ({name}) is text-only (no vision tower in its "
             "config): drop the images from the data or train for a vision-language target"
         )
-    counts = [vision.tokens_for(*image_size(ref, where)) for ref in refs]
-    ids, mask = expand_image_tokens(tc.input_ids, tc.loss_mask, vision.image_token_id, counts, where)
-    return replace(tc, input_ids=ids, loss_mask=mask, images=tuple(refs)), vision.image_token_id, counts
+    return vision, [vision.tokens_for(*image_size(ref, where)) for ref in refs]
+
+
+def _expand_images(
+    vision: VisionProcessor,
+    tokenizer: Any,
+    text: str,
+    spans: list[tuple[int, int]],
+    splices: list[_Splice],
+    counts: list[int],
+    conv_id: str,
+) -> tuple[str, list[tuple[int, int]], list[_Splice]]:
+    """The rendering with each image placeholder replaced by its image's text, as the target's processor does
+    before it tokenises (`VisionProcessor.expand`: the whole text is then tokenised, so tokens merge across the
+    processor's text as they do in its output), with the answers' spans and splices moved to match. Images
+    sit in user turns, never inside an answer's span."""
+    image_token = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+    expanded, found = vision.expand(text, counts, image_token, f"conversation {conv_id!r}")
+    grown = [
+        len(vision.before) + len(image_token) * n + len(vision.after) - (end - start)
+        for (start, end), n in zip(found, counts, strict=True)
+    ]
+
+    def moved(pos: int) -> int:  # a position of `text` in `expanded`
+        return pos + sum(g for (_, end), g in zip(found, grown, strict=True) if end <= pos)
+
+    return (
+        expanded,
+        [(moved(a), moved(b)) for a, b in spans],
+        [replace(sp, start=moved(sp.start), end=moved(sp.end)) for sp in splices],
+    )
+
+
+def _check_image_tokens(ids: list[int], image_id: int, counts: list[int], where: str) -> None:
+    """The tokenised text holds each image's tokens (a tokenizer that splits the image token's text would not)."""
+    found = sum(1 for t in ids if t == image_id)
+    if found != sum(counts):
+        raise DataError(
+            f"{where}: {found} image tokens (id {image_id}) after tokenisation for {len(counts)} images of "
+            f"{sum(counts)} tokens; the tokenizer must keep the image token whole"
+        )
 
 
 def encode_image_prompt(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> tuple[list[int], VisionInputs]:
     """(prompt ids ready for the assistant turn, the images' pixel inputs) of `messages` holding images, for a
-    vision-language target: rendered and expanded as training data is (`with_image_tokens`)."""
+    vision-language target: rendered and expanded as training data is (`tokenize_with_reason`)."""
     refs = message_images(messages)
     vision = load_vision_processor(str(getattr(tokenizer, "name_or_path", "") or ""))
     if vision is None:
@@ -485,10 +522,11 @@ def encode_image_prompt(tokenizer: Any, messages: list[dict[str, Any]], where: s
         text = render(tokenizer, messages, add_generation_prompt=True)
     except TemplateFailure as e:
         raise DataError(f"{where}: {e}") from e
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     images = [open_image(ref, where) for ref in refs]
     counts = [vision.tokens_for(img.height, img.width) for img in images]
-    ids, _ = expand_image_tokens(ids, [0] * len(ids), vision.image_token_id, counts, where)
+    text, _ = vision.expand(text, counts, tokenizer.convert_ids_to_tokens(vision.image_token_id), where)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    _check_image_tokens(ids, vision.image_token_id, counts, where)
     return ids, vision.pixels(images)
 
 

@@ -1,19 +1,26 @@
-"""Decoding on a vision-language target: the prompt's images and M-RoPE positions, given to every forward.
+"""Decoding on a vision-language target: the prompt's images, its positions and its prefill masks.
 
 The decoder counts positions as sequence indices (0 .. T-1 for the prompt, then one per accepted token):
-they build the tree masks and place the head's context. A vision-language target (Qwen3-VL) wants more:
-the prefill must carry the prompt's pixel inputs, and every forward its M-RoPE positions, three rows that
-inside an image differ from the sequence index and after the prompt are `index + delta`
-(`eagle.target.multimodal.mrope_positions`, transformers' own `get_rope_index`). `VisionTarget` wraps the
-model so that the decoder's forwards (`eagle.decode.target.target_forward`, unchanged) pass exactly what
-`generate` passes (`[4, 1, T]` position rows: the sequence index, then the M-RoPE rows; pixel inputs on the
-prefill only): the same logits, so greedy decoding is token for token HF `generate`'s.
+they build the tree masks and place the head's context. A vision-language target wants more, and
+`VisionTarget` wraps the model so that the decoder's forwards (`eagle.decode.target.target_forward`,
+unchanged) pass exactly what `generate` passes, for the same logits (greedy decoding is then token for token
+HF `generate`'s):
+  * the prefill carries the prompt's image inputs (pixels, and the image-token row under the name the
+    model's forward takes: `mm_token_type_ids`, Gemma 3's `token_type_ids`); later forwards carry none, as
+    `generate`'s `prepare_inputs_for_generation` drops them after the first step;
+  * a model that builds its own masks for a prompt with images (`create_masks_for_generate`: Gemma 3, whose
+    image tokens attend to each other both ways in the prefill) builds the prefill's masks itself: the
+    decoder's causal (and windowed) prefill mask is left out there. The keys and values it caches are then
+    `generate`'s; later forwards (verify passes, with tree masks) attend causally to them, as in `generate`;
+  * an M-RoPE family (Qwen3-VL: `eagle.target.multimodal.has_mrope`) gets its M-RoPE positions on every
+    forward, three rows that inside an image differ from the sequence index and after the prompt are
+    `index + delta` (`mrope_positions`, transformers' own `get_rope_index`), passed as `[4, 1, T]` rows (the
+    sequence index, then the M-RoPE rows); a 1-D RoPE family (Gemma 3) gets the sequence positions as they are.
 
 The head is text-only and reads the target's text-model hidden states at every position, image positions
-included, at the sequence positions (as it was trained). vLLM's `Eagle3Qwen3vlForCausalLM` (its Llama EAGLE-3
-draft with an M-RoPE rotary from the exported `rope_scaling`) gives the draft the target's M-RoPE positions
-instead; on text they differ from ours by `delta` in all three rows, which rotary attention does not see
-(it depends on position differences), and only queries against image-position keys differ.
+included, at the target's own position rows as vLLM hands them to its draft (`positions`, read by the decoder's
+`SpeculativeGenerator._head_positions`): the M-RoPE rows for an M-RoPE head, the time row otherwise, which for a
+1-D RoPE family is the sequence index.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from torch import nn
 from eagle.errors import EagleError
 from eagle.target.multimodal import (
     VisionInputs,
+    builds_image_masks,
+    has_mrope,
     image_token_id,
     is_vision_language,
     mrope_positions,
@@ -36,12 +45,15 @@ from eagle.target.multimodal import (
 
 class VisionTarget:
     """A vision-language model as the decoder calls it (`model(input_ids=..., position_ids=[1, T], ...)`), with
-    the current prompt's images (`begin`) turned into M-RoPE position rows and prefill pixel inputs."""
+    the current prompt's images (`begin`) turned into prefill image inputs (and masks, and M-RoPE position rows,
+    where the family has them)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.config = model.config
         self.image_id = image_token_id(model.config)
+        self.mrope_rows = has_mrope(model)  # False: a 1-D RoPE family, positions passed as they are
+        self.own_masks = builds_image_masks(model)  # the prefill with images: the model's own masks
         self.vision: VisionInputs | None = None
         self.mrope = torch.zeros(3, 0, dtype=torch.long)  # [3, T_prompt] the prompt's M-RoPE positions
         self.delta = 0  # M-RoPE position - sequence index, for every token after the prompt
@@ -66,7 +78,8 @@ class VisionTarget:
 
     def positions(self, sequence: torch.Tensor) -> torch.Tensor:
         """[4, 1, T_q] position rows for tokens at sequence positions `sequence` [T_q]: the prompt's M-RoPE
-        positions inside the prompt, `index + delta` after it (all three rows equal there, as in `generate`)."""
+        positions inside the prompt, `index + delta` after it (all three rows equal there, as in `generate`).
+        A 1-D RoPE family's three rows are the sequence index (`mrope_positions`); its forward takes row 0."""
         n = int(self.mrope.shape[1])
         after = (sequence + self.delta).expand(3, -1)  # [3, T_q]
         if n == 0:
@@ -77,14 +90,22 @@ class VisionTarget:
     def forward(
         self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int = 0, **kw: Any
     ) -> Any:
-        """The model's forward with M-RoPE rows for `position_ids` [1, T_q] (sequence positions) and, on the
-        prefill (the first forward, from position 0), the prompt's pixel inputs."""
+        """The model's forward with its positions for `position_ids` [1, T_q] (sequence positions) and, on the
+        prefill (the first forward, from position 0), the prompt's image inputs (and, for a model that builds
+        them, its own masks: module docstring)."""
         sequence = position_ids[0]  # [T_q]
         extra: dict[str, Any] = {}
         if self.vision is not None and int(sequence[0]) == 0:
             extra = self.vision.model_kwargs(input_ids, self.image_id)
+            if self.own_masks:
+                kw["attention_mask"] = None  # the model's own: causal, windowed, and both ways inside an image
+        rows = self.positions(sequence)  # [4, 1, T_q]
         return self.model(
-            input_ids=input_ids, position_ids=self.positions(sequence), logits_to_keep=logits_to_keep, **extra, **kw
+            input_ids=input_ids,
+            position_ids=rows if self.mrope_rows else rows[0],  # a 1-D RoPE family: [1, T_q], the sequence index
+            logits_to_keep=logits_to_keep,
+            **extra,
+            **kw,
         )
 
     __call__ = forward

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 # vLLM's EAGLE-3 draft names for vision-language targets (text model types too: `HeadConfig.target_model_type` is
 # the text config's). vLLM's registry maps each to its Llama EAGLE-3 draft; the name is what makes it take the
 # draft for a multimodal target (text-only draft inputs, the target's M-RoPE positions, `rope_scaling` M-RoPE).
+# Gemma 3 (`gemma3_text`, 1-D RoPE) has no such name in vLLM's registry: its heads keep the plain Llama EAGLE-3
+# name, which vLLM loads; serving one beside a Gemma 3 target is another matter (docs/train-your-own-target.md).
 VL_DRAFT_ARCHITECTURES = {
     "qwen3_vl": "Eagle3Qwen3vlForCausalLM",
     "qwen3_vl_text": "Eagle3Qwen3vlForCausalLM",
