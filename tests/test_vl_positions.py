@@ -41,7 +41,7 @@ from eagle.target.multimodal import mrope_positions
 from eagle.train.trainer import train
 from tests.support.decode import decode_cfg, random_head
 from tests.support.train import train_overrides
-from tests.tiny_models import save_vl_model, write_images
+from tests.tiny_models import MROPE_ONLY_VL_FAMILIES, save_vl_model, write_images
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,14 +86,15 @@ def test_head_rotary_is_the_targets_mrope(interleaved):
     assert not torch.allclose(cos, plain(rows[0], torch.float32)[0])
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vl_positions")
-    target = save_vl_model(root / "target")
+@pytest.fixture(scope="module", params=["qwen3_vl", *MROPE_ONLY_VL_FAMILIES])
+def vl(tmp_path_factory, request):
+    """A saved tiny M-RoPE target: Qwen3-VL (interleaved sections) and Qwen2.5-VL (contiguous)."""
+    root = tmp_path_factory.mktemp(f"vl_positions_{request.param}")
+    target = save_vl_model(root / "target", family=request.param)
     images = write_images(root / "images")
     model, tok, _ = load_target(TargetConfig(path=str(target), dtype="float32"), stage="decode")
     prompt = EvalPrompt("p", ["<image>\nWrite a short poem about the sea."], images=[str(images[1])])
-    return {"model": model, "tok": tok, "prompt": prompt, "images": images, "target": target}
+    return {"model": model, "tok": tok, "prompt": prompt, "images": images, "target": target, "family": request.param}
 
 
 def _prompt(vl) -> tuple[torch.Tensor, object]:
@@ -130,6 +131,8 @@ def test_training_and_decoding_give_the_head_the_same_positions(vl):
     head = random_head(model, "eagle3", draft_vocab_size=128)
     gen = SpeculativeGenerator(model, head, tok, decode_cfg(max_new_tokens=4, draft_dtype="float32", tree_top_k=1))
     res = gen.generate(ids[0], vision)
+    ref = hf_generate(model, tok, ids, decode_cfg(temperature=0.0, max_new_tokens=4), vision=vision).tokens
+    assert res.tokens == ref  # lossless with the M-RoPE head on this layout
     root = res.tokens[0]
     # The decoder's prefill commit, again on a fresh cache: the hidden state that drafts the first step.
     seq = torch.cat([ids[0], torch.tensor([root])])  # prompt + the first token
@@ -174,7 +177,8 @@ def test_eagle_heads_of_a_vl_target_keep_its_mrope(vl):
     for algorithm in ("eagle3", "eagle1"):
         rope = random_head(vl["model"], algorithm, draft_vocab_size=128 if algorithm == "eagle3" else None)
         assert rope.config.rope_parameters["mrope_section"] == [2, 3, 3], algorithm
-        assert rope.config.rope_parameters["mrope_interleaved"] is True
+        interleaved = vl["family"] == "qwen3_vl"  # Qwen2.5-VL: contiguous sections
+        assert bool(rope.config.rope_parameters.get("mrope_interleaved")) is interleaved
 
 
 def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):

@@ -365,6 +365,9 @@ def _per_layer_config(family: str, common: dict, num_layers: int):
 # Their image processors are built here too, with the PIL backend (no torchvision; eagle.target.multimodal);
 # Gemma 3's whole processor (Gemma3Processor: the text it puts around an image's tokens) is saved beside it.
 VL_FAMILIES = ("qwen3_vl", "gemma3_vl")
+# Qwen2.5-VL (contiguous M-RoPE sections, Qwen3-VL's interleaved): held by tests/test_vl_positions.py only, where the
+# layout matters (positions, lossless decoding with images), to keep the suite's time.
+MROPE_ONLY_VL_FAMILIES = ("qwen2_5_vl",)
 CHATML_VL = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
@@ -399,7 +402,7 @@ NAMED_SPECIALS["gemma3_vl"] = {
     "eoi_token": "<end_of_image>",
     "image_token": "<image_soft_token>",
 }
-TEMPLATES["qwen3_vl"] = (
+TEMPLATES["qwen2_5_vl"] = TEMPLATES["qwen3_vl"] = (
     CHATML_VL,
     [
         "<|endoftext|>",
@@ -433,8 +436,10 @@ def make_vl_model(family: str = "qwen3_vl", seed: int = 0, num_layers: int = LAY
         cfg, tok, processor = _gemma3_vl_parts(num_layers, hidden)
     elif family == "qwen3_vl":
         cfg, tok, processor = _qwen3_vl_parts(num_layers, hidden)
+    elif family == "qwen2_5_vl":
+        cfg, tok, processor = _qwen2_5_vl_parts(num_layers, hidden)
     else:
-        raise ValueError(f"unknown family {family!r}; known: {VL_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; known: {(*VL_FAMILIES, *MROPE_ONLY_VL_FAMILIES)}")
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
@@ -478,6 +483,48 @@ def _qwen3_vl_parts(num_layers: int, hidden: int):
             temporal_patch_size=2,
             deepstack_visual_indexes=[0],
             num_position_embeddings=64,
+        ),
+        image_token_id=ids["image_pad"],
+        video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+    return cfg, tok, make_image_processor()
+
+
+def _qwen2_5_vl_parts(num_layers: int, hidden: int):
+    """Qwen2.5-VL: Qwen3-VL's tokens and image processor, a windowed vision tower, contiguous M-RoPE sections."""
+    from transformers import Qwen2_5_VLConfig
+
+    tok = make_tokenizer("qwen2_5_vl")
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            # Contiguous M-RoPE over the 8 rotary frequencies (head_dim 16): 2 time, then 3 height, 3 width.
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=64,
+            fullatt_block_indexes=[1],
         ),
         image_token_id=ids["image_pad"],
         video_token_id=ids["video_pad"],
