@@ -34,6 +34,8 @@ from eagle.data.eval_prompts import EvalPrompt
 from eagle.decode import SpeculativeGenerator
 from eagle.evaluate.baselines import hf_generate
 from eagle.evaluate.runner import prompt_vision, turn_inputs
+from eagle.export import export_head
+from eagle.export.validate import check_folder
 from eagle.heads.base import HeadConfig
 from eagle.heads.layers import RotaryEmbedding
 from eagle.target.loading import load_target
@@ -173,12 +175,21 @@ def test_parallel_drafters_read_the_time_row_and_stay_lossless(vl, algorithm):
     assert gen._head_positions(0, ids.shape[1]).shape == (ids.shape[1],)
 
 
-def test_eagle_heads_of_a_vl_target_keep_its_mrope(vl):
+def test_eagle_heads_of_a_vl_target_keep_its_mrope(vl, tmp_path):
     for algorithm in ("eagle3", "eagle1"):
         rope = random_head(vl["model"], algorithm, draft_vocab_size=128 if algorithm == "eagle3" else None)
         assert rope.config.rope_parameters["mrope_section"] == [2, 3, 3], algorithm
         interleaved = vl["family"] == "qwen3_vl"  # Qwen2.5-VL: contiguous sections
         assert bool(rope.config.rope_parameters.get("mrope_interleaved")) is interleaved
+    # vLLM builds the draft's M-RoPE rotary from the exported fields, under its VL draft name.
+    head = random_head(vl["model"], "eagle3", draft_vocab_size=128)
+    export_head(head, tmp_path / "vllm", "vllm", dtype="float32", target_path=str(vl["target"]))
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    name = {"qwen3_vl": "Eagle3Qwen3vlForCausalLM", "qwen2_5_vl": "Eagle3Qwen2_5vlForCausalLM"}[vl["family"]]
+    assert config["architectures"] == [name]
+    assert config["rope_scaling"]["mrope_section"] == [2, 3, 3]
+    assert bool(config["rope_scaling"].get("mrope_interleaved")) is (vl["family"] == "qwen3_vl")
+    check_folder(tmp_path / "vllm", expect_format="vllm", num_target_layers=4)
 
 
 def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):
