@@ -192,22 +192,24 @@ def test_eagle_heads_of_a_vl_target_keep_its_mrope(vl, tmp_path):
     check_folder(tmp_path / "vllm", expect_format="vllm", num_target_layers=4)
 
 
-def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):
-    """vLLM is sent token ids in stream mode: an image's pixels would never reach the target."""
-    convs = tmp_path / "convs.jsonl"
+def _image_data(vl, folder, with_image: list[bool]) -> list[str]:
+    """Overrides for a conversation file of len(with_image) records, c0, c1, ..., record i holding the second image
+    where with_image[i]: the target, the data and a small draft vocabulary."""
+    convs = folder / "convs.jsonl"
+    image = str(vl["images"][1])
     rows = [
         {
             "id": f"c{i}",
             "conversations": [
-                {"from": "human", "value": f"<image>\nWhat is it {i}?"},
-                {"from": "gpt", "value": "A picture."},
+                {"from": "human", "value": ("<image>\n" if has else "") + f"What is it {i}?"},
+                {"from": "gpt", "value": "A picture of the sea."},
             ],
-            "images": [str(vl["images"][0])],
+            **({"images": [image]} if has else {}),
         }
-        for i in range(4)
+        for i, has in enumerate(with_image)
     ]
     convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [
+    return [
         f"target.path={vl['target']}",
         "data=local",
         f"data.path={convs}",
@@ -215,6 +217,13 @@ def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):
         "data.dedup_against=[]",
         "draft.draft_vocab_size=128",
         "device=cpu",
+    ]
+
+
+def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):
+    """vLLM is sent token ids in stream mode: an image's pixels would never reach the target."""
+    overrides = [
+        *_image_data(vl, tmp_path, [True] * 4),
         *train_overrides(
             tmp_path / "out", None, steps=1, train__mode="stream", train__stream__urls="[http://127.0.0.1:9]"
         ),
@@ -224,33 +233,9 @@ def test_stream_mode_refuses_conversations_with_images(vl, tmp_path):
 
 
 def test_a_capture_keeps_the_rows_for_offline_training(vl, tmp_path):
-    convs = tmp_path / "convs.jsonl"
     image = str(vl["images"][1])
-    rows = [
-        {
-            "id": f"c{i}",
-            "conversations": [
-                {"from": "human", "value": ("<image>\n" if i % 2 == 0 else "") + f"What is it {i}?"},
-                {"from": "gpt", "value": "A picture of the sea."},
-            ],
-            **({"images": [image]} if i % 2 == 0 else {}),
-        }
-        for i in range(4)
-    ]
-    convs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = compose(
-        [
-            f"target.path={vl['target']}",
-            "data=local",
-            f"data.path={convs}",
-            "data.heldout_fraction=0",
-            "data.dedup_against=[]",
-            "draft.draft_vocab_size=128",
-            "capture.dtype=bfloat16",
-            "device=cpu",
-            f"output_dir={tmp_path / 'capture'}",
-        ]
-    )
+    overrides = _image_data(vl, tmp_path, [i % 2 == 0 for i in range(4)])
+    cfg = compose([*overrides, "capture.dtype=bfloat16", f"output_dir={tmp_path / 'capture'}"])
     run_capture(cfg)
     assert json.loads((tmp_path / "capture" / "manifest.json").read_text())["features"]["positions"] == [3]
     data = CaptureDataset(tmp_path / "capture")

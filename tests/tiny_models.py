@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -449,11 +450,30 @@ def make_vl_model(family: str = "qwen3_vl", seed: int = 0, num_layers: int = LAY
 
 
 def _qwen3_vl_parts(num_layers: int, hidden: int):
+    """Qwen3-VL: a deepstack vision tower, interleaved M-RoPE over the 8 rotary frequencies (2 time, 3 height,
+    3 width)."""
     from transformers import Qwen3VLConfig
 
-    tok = make_tokenizer("qwen3_vl")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    vision = dict(deepstack_visual_indexes=[0], num_position_embeddings=64)
+    return _qwen_vl_parts(Qwen3VLConfig, "qwen3_vl", num_layers, hidden, rope, vision)
+
+
+def _qwen2_5_vl_parts(num_layers: int, hidden: int):
+    """Qwen2.5-VL: a windowed vision tower, contiguous M-RoPE sections (2 time, then 3 height, 3 width)."""
+    from transformers import Qwen2_5_VLConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(window_size=64, fullatt_block_indexes=[1])
+    return _qwen_vl_parts(Qwen2_5_VLConfig, "qwen2_5_vl", num_layers, hidden, rope, vision)
+
+
+def _qwen_vl_parts(config_cls: Any, family: str, num_layers: int, hidden: int, rope: dict, vision: dict):
+    """A Qwen-VL config (2-block tower of 16-px patches merged 2 x 2, head_dim 16), its tokenizer and Qwen2-VL's
+    PIL image processor; `rope` and `vision` are what the generations differ in."""
+    tok = make_tokenizer(family)
     ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
-    cfg = Qwen3VLConfig(
+    cfg = config_cls(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=hidden,
@@ -463,13 +483,7 @@ def _qwen3_vl_parts(num_layers: int, hidden: int):
             num_key_value_heads=2,
             head_dim=16,
             max_position_embeddings=1024,
-            # Interleaved M-RoPE over the 8 rotary frequencies: 2 time, 3 height, 3 width.
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
+            rope_parameters=rope,
             tie_word_embeddings=False,
         ),
         vision_config=dict(
@@ -481,50 +495,7 @@ def _qwen3_vl_parts(num_layers: int, hidden: int):
             patch_size=16,
             spatial_merge_size=2,
             temporal_patch_size=2,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=64,
-        ),
-        image_token_id=ids["image_pad"],
-        video_token_id=ids["video_pad"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
-    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
-    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
-    return cfg, tok, make_image_processor()
-
-
-def _qwen2_5_vl_parts(num_layers: int, hidden: int):
-    """Qwen2.5-VL: Qwen3-VL's tokens and image processor, a windowed vision tower, contiguous M-RoPE sections."""
-    from transformers import Qwen2_5_VLConfig
-
-    tok = make_tokenizer("qwen2_5_vl")
-    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            # Contiguous M-RoPE over the 8 rotary frequencies (head_dim 16): 2 time, then 3 height, 3 width.
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=hidden,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=64,
-            fullatt_block_indexes=[1],
+            **vision,
         ),
         image_token_id=ids["image_pad"],
         video_token_id=ids["video_pad"],

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from eagle.algorithms.losses import eagle3_loss_packed, shift_left, step_loss_mask
+from eagle.algorithms.ttt import ttt_forward
 from eagle.config import ConfigError, DraftConfig, RootConfig, TrainConfig
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig
@@ -110,6 +111,23 @@ def aligned_inputs(batch: dict[str, Any], pad_id: int) -> dict[str, torch.Tensor
     if rows is not None:
         out["positions"] = rows + 1  # [3, B, T]
     return out
+
+
+def unroll_aligned(
+    head: DraftHead, a: dict[str, torch.Tensor], hidden0: torch.Tensor, settings: LossSettings
+) -> list[torch.Tensor]:
+    """`ttt_forward` over `aligned_inputs` `a` from step-0 hidden states [B, T, H]: settings.steps outputs
+    [B, T, H], at an M-RoPE target's position rows where the batch has them (else t + 1)."""
+    return ttt_forward(
+        head,
+        a["input_ids"],
+        hidden0,
+        a["valid"],
+        settings.steps,
+        position_ids=a.get("positions"),
+        pad_token_id=settings.pad_id,
+        dense_mask=settings.dense_ttt_mask,
+    )
 
 
 HeadT = TypeVar("HeadT", bound=DraftHead)

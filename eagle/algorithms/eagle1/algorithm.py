@@ -21,11 +21,11 @@ from eagle.algorithms.base import (
     LossSettings,
     aligned_inputs,
     token_norms,
+    unroll_aligned,
     unrolled_soft_ce,
 )
 from eagle.algorithms.eagle1.head import Eagle1Head
 from eagle.algorithms.losses import add_feature_noise, eagle1_loss, packed_positions, shift_left
-from eagle.algorithms.ttt import ttt_forward
 from eagle.config import DraftConfig, TrainConfig
 from eagle.errors import ExportError
 from eagle.heads.base import DraftHead, HeadConfig, weight_of
@@ -80,16 +80,7 @@ class Eagle1(Algorithm):
         a = aligned_inputs(batch, s.pad_id)
         feats = add_feature_noise(batch["final_hidden"], s.noise_std, training=s.noise_std > 0)  # [B, T, H]
         hidden0 = head.project_features(feats[:, :, None])  # [B, T, H]
-        outs = ttt_forward(
-            head,
-            a["input_ids"],
-            hidden0,
-            a["valid"],
-            s.steps,
-            position_ids=a.get("positions"),  # an M-RoPE target's rows, else t + 1
-            pad_token_id=s.pad_id,
-            dense_mask=s.dense_ttt_mask,
-        )  # steps x [B, T, H]
+        outs = unroll_aligned(head, a, hidden0, s)  # steps x [B, T, H]
         with torch.no_grad():
             next_feature = shift_left(batch["final_hidden"], 1)  # [B, T, H] f_{t+1}
         mask = a["loss_mask"] & a["valid"]

@@ -17,10 +17,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from eagle.algorithms.base import Algorithm, LossParts, LossSettings, aligned_inputs, own_head, unrolled_soft_ce
+from eagle.algorithms.base import (
+    Algorithm,
+    LossParts,
+    LossSettings,
+    aligned_inputs,
+    own_head,
+    unroll_aligned,
+    unrolled_soft_ce,
+)
 from eagle.algorithms.eagle3.head import Eagle3Head
 from eagle.algorithms.losses import packed_positions, shift_left
-from eagle.algorithms.ttt import ttt_forward
 from eagle.heads.base import DraftHead, HeadConfig, weight_of
 
 _SPECULATORS_PREFIX, _OURS_PREFIX = "layers.0.", "midlayer."
@@ -130,16 +137,7 @@ class Eagle3(Algorithm):
         s = settings
         a = aligned_inputs(batch, s.pad_id)
         hidden0 = head.project_features(batch["aux_hidden"])  # [B, T, 3, Ht] -> [B, T, H]
-        outs = ttt_forward(
-            head,
-            a["input_ids"],
-            hidden0,
-            a["valid"],
-            s.steps,
-            position_ids=a.get("positions"),  # an M-RoPE target's rows, else t + 1
-            pad_token_id=s.pad_id,
-            dense_mask=s.dense_ttt_mask,
-        )  # steps x [B, T, H]
+        outs = unroll_aligned(head, a, hidden0, s)  # steps x [B, T, H]
         # Logits only where a step's loss reads them, labels only at loss tokens (not at prompts or padding).
         labels, masks, rows = packed_positions(a["loss_mask"], a["valid"], s.steps)
         step_logits = [head.logits(o[m]) for o, m in zip(outs, masks, strict=True)]  # steps x [N_i, Vd]
