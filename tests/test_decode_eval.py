@@ -74,8 +74,8 @@ def test_stream_mode_logs_tau_real_as_the_others_do(ws3, tmp_path):
 def test_tau_real_equals_eagle_evals_decoder_and_picks_best(ws3, tmp_path):
     """The final tau_real and acceptance by depth are what eagle-eval's decoder and metrics give for the
     saved head on the same prompts; select_by=tau_real keeps the step with the highest tau_real."""
+    from eagle import spec_metrics as metrics
     from eagle.decode import SpeculativeGenerator
-    from eagle.evaluate import metrics
     from eagle.evaluate.runner import speculative_runner
     from eagle.export import load_draft
     from eagle.target.loading import load_target
@@ -214,13 +214,6 @@ def test_prompts_are_the_tokens_before_the_first_trained_token():
 
     prompts = decode_eval.heldout_prompts(Split(), 2)
     assert [p.tolist() for p in prompts] == [[0, 1, 2], [0]]
-
-
-def test_accept_rates_follow_eagle_evals_rule():
-    from eagle.evaluate import metrics
-
-    for lengths in ([1, 2, 3, 1], [4, 4, 1], [1, 1], [2]):
-        assert decode_eval.accept_rates(lengths, 4) == metrics.accept_rate_by_depth(lengths, 4)
 
 
 @pytest.mark.slow  # two processes under accelerate launch

@@ -18,12 +18,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from eagle import spec_metrics as metrics
 from eagle.algorithms.head_io import build_head, head_config_from_target, save_head
 from eagle.artifacts import resolve_draft, resolve_draft_path
 from eagle.cli.app import compose
 from eagle.config import DraftConfig, TargetConfig
 from eagle.errors import CheckpointError
-from eagle.evaluate import metrics
 from eagle.export import load_draft
 from eagle.target.loading import load_target
 from tests.tiny_models import save_model

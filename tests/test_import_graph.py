@@ -37,7 +37,7 @@ PACKAGE = Path(eagle.__file__).parent
 # Lowest first. A unit is a subpackage (eagle/heads/) or a top-level module (eagle/sweep.py).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "fileio", "assets", "artifacts"},  # leaves: names, typed config, files
+    {"config", "fileio", "assets", "artifacts", "spec_metrics"},  # leaves: names, typed config, files, statistics
     # the frozen target (where from, loading whole or as FSDP2 shards, facts, dtypes, CPU kernels); metric sinks
     {"target", "tracking"},
     {"heads"},  # what every draft head is built from: the DraftHead interface, layers, vocab maps

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import transformers
 
+from eagle import spec_metrics as metrics
 from eagle.artifacts import REPORT
 from eagle.decode.approximate import acceptance_label
-from eagle.evaluate import metrics
 from eagle.fileio import atomic_write_text
 
 SPEC = "speculative"

@@ -28,6 +28,7 @@ import torch
 from accelerate import PartialState
 from tqdm.auto import tqdm
 
+from eagle import spec_metrics as metrics
 from eagle.algorithms import get_algorithm
 from eagle.artifacts import ResolvedDraft, resolve_draft
 from eagle.config import ConfigError, DecodeConfig, RootConfig
@@ -37,7 +38,7 @@ from eagle.data.template import encode_image_prompt
 from eagle.decode.approximate import AcceptanceRule, acceptance_label
 from eagle.decode.draft import uses_sampled_drafts
 from eagle.decode.generator import SpeculativeGenerator, autoregressive_generate
-from eagle.evaluate import metrics, plots
+from eagle.evaluate import plots
 from eagle.evaluate.assisted import assisted_runner
 from eagle.evaluate.baselines import encode_chat, hf_generate, stop_token_ids, timed
 from eagle.evaluate.divergence import divergence_at

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate.utils import broadcast_object_list
 
+from eagle import spec_metrics
 from eagle.algorithms import get_algorithm
 from eagle.config import ConfigError, DecodeConfig, TrainConfig
 from eagle.decode.generator import SpeculativeGenerator
@@ -75,19 +76,6 @@ def max_depth(decode: DecodeConfig, head: DraftHead) -> int:
     return max(depth, decode.lookup_tokens)  # grafted lookup chains reach deeper than the head drafts
 
 
-def accept_rates(lengths: list[int], depth: int) -> list[float]:
-    """Conditional acceptance per draft depth d = 1..depth: steps that accepted >= d drafts over steps that
-    accepted >= d - 1; stops at the first depth no step reached (eagle.evaluate.metrics's rule)."""
-    drafts = [max(0, n - 1) for n in lengths]
-    rates: list[float] = []
-    for d in range(1, depth + 1):
-        reached = sum(1 for a in drafts if a >= d - 1)
-        if reached == 0:
-            break
-        rates.append(sum(1 for a in drafts if a >= d) / reached)
-    return rates
-
-
 def measure(
     target: Any, head: DraftHead, tokenizer: Any, prompts: list[torch.Tensor], decode: DecodeConfig, device: Any
 ) -> dict[str, Any]:
@@ -110,8 +98,8 @@ def measure(
         head.train(was_training)
         ckpt.set_rng_state(rng)
     return {
-        "tau_real": float(sum(lengths)) / forwards if forwards else 0.0,
-        "accept_rate_by_depth": accept_rates(lengths, max_depth(decode, head)),
+        "tau_real": spec_metrics.tau(lengths, forwards),
+        "accept_rate_by_depth": spec_metrics.accept_rate_by_depth(lengths, max_depth(decode, head)),
         "verify_passes": forwards,
         "new_tokens": tokens,
         "seconds": time.perf_counter() - started,
@@ -256,7 +244,6 @@ def format_decode_eval(summary: dict[str, Any]) -> str:
 __all__ = [
     "DecodeEval",
     "format_decode_eval",
-    "accept_rates",
     "decode_settings",
     "heldout_prompts",
     "max_depth",

@@ -3,6 +3,9 @@
 Convention: an *acceptance length* is the number of tokens one target forward (a verify pass)
 emits, i.e. accepted draft tokens plus the bonus token the target produces itself, so it is >= 1.
 Depth d (1-based) is the d-th drafted token along the accepted path.
+
+A leaf of the package (no torch, no eagle imports): `eagle-eval`'s report and the trainer's decoding
+evaluation (`train.eval_decode_every`) compute tau and acceptance by depth with the same functions.
 """
 
 from __future__ import annotations
