@@ -164,6 +164,25 @@ def make_tokenizer(family: str):
     return tok
 
 
+def text_fields(vocab_size: int, num_layers: int = LAYERS, hidden: int = HIDDEN) -> dict[str, int]:
+    """The sizes every tiny text model shares (4 query heads, 2 KV heads); families add their own fields."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+
+
+def _special_ids_from(cfg: Any, tok: Any) -> None:
+    """A VL config's pad / eos ids (and its text config's) from the tokenizer."""
+    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+
+
 def make_config(family: str, vocab_size: int, num_layers: int = LAYERS, hidden: int = HIDDEN):
     from transformers import (
         Gemma3TextConfig,
@@ -173,15 +192,7 @@ def make_config(family: str, vocab_size: int, num_layers: int = LAYERS, hidden: 
         Qwen3Config,
     )
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
+    common = text_fields(vocab_size, num_layers, hidden)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True)
     if family == "qwen2":
@@ -475,16 +486,7 @@ def _qwen_vl_parts(config_cls: Any, family: str, num_layers: int, hidden: int, r
     ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start")}
     cfg = config_cls(
         text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=1024,
-            rope_parameters=rope,
-            tie_word_embeddings=False,
+            **text_fields(len(tok), num_layers, hidden), head_dim=16, rope_parameters=rope, tie_word_embeddings=False
         ),
         vision_config=dict(
             depth=2,
@@ -503,8 +505,7 @@ def _qwen_vl_parts(config_cls: Any, family: str, num_layers: int, hidden: int, r
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
         tie_word_embeddings=False,
     )
-    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
-    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+    _special_ids_from(cfg, tok)
     return cfg, tok, make_image_processor()
 
 
@@ -520,19 +521,13 @@ def _gemma3_vl_parts(num_layers: int, hidden: int):
     tok = make_tokenizer("gemma3_vl")
     cfg = Gemma3Config(
         text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **text_fields(len(tok), num_layers, hidden),
             head_dim=16,
             query_pre_attn_scalar=16,
             # A window shorter than the test prompts, so sliding layers and the image block's bidirectional
             # attention meet (AND(window, OR(causal, image block)) in transformers' masks).
             sliding_window=16,
             layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
-            max_position_embeddings=1024,
             tie_word_embeddings=False,
         ),
         vision_config=dict(
@@ -550,8 +545,7 @@ def _gemma3_vl_parts(num_layers: int, hidden: int):
         image_token_index=tok.image_token_id,
         tie_word_embeddings=False,  # tied, the 8x output scale (make_vl_model) would scale the embeddings too
     )
-    cfg.pad_token_id = cfg.text_config.pad_token_id = tok.pad_token_id
-    cfg.eos_token_id = cfg.text_config.eos_token_id = tok.eos_token_id
+    _special_ids_from(cfg, tok)
     cfg.bos_token_id = cfg.text_config.bos_token_id = tok.bos_token_id
     images = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
     return cfg, tok, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=GEMMA3_IMAGE_TOKENS)
