@@ -23,9 +23,10 @@ from eagle.target.features import layer_features
 from eagle.target.loading import target_errors
 from eagle.target.multimodal import (
     VisionInputs,
+    batch_mrope_positions,
     concat_vision,
+    has_mrope,
     image_token_id,
-    is_vision_language,
     load_vision_processor,
     multimodal_model,
 )
@@ -54,7 +55,7 @@ def extract_features(
     model's hidden states, at every position (image positions included; their loss mask is 0).
 
     Returns {"final_hidden": [B, T, H]} plus {"aux_hidden": [B, T, 3, H]} when `aux_layer_ids` is
-    given, plus {"positions": [B, T, 3] long} on an M-RoPE target (`has_mrope_positions`): each token's
+    given, plus {"positions": [B, T, 3] long} on an M-RoPE target (`eagle.target.multimodal.has_mrope`): each token's
     three rotary positions as the target numbers them, which vLLM hands an M-RoPE draft too. Values at
     padded positions are meaningless; callers mask them with `attention_mask`.
     The outputs may be inference tensors: `.clone()` them outside inference mode before they enter a
@@ -91,38 +92,9 @@ def extract_features(
             check_layer_ids(list(aux_layer_ids), num_layers)
             # [B, T, 3, H]; a hyper-connection target's stream states collapsed as the decoder collapses them
             features["aux_hidden"] = layer_features(model, states, list(aux_layer_ids))
-        if has_mrope_positions(model):
-            features["positions"] = mrope_batch_positions(model, input_ids, attention_mask, vision)
+        if has_mrope(model):  # [B, T, 3] the rows its forward computed
+            features["positions"] = batch_mrope_positions(model, input_ids, attention_mask, vision)[0].permute(1, 2, 0)
     return features
-
-
-def has_mrope_positions(model: nn.Module) -> bool:
-    """Whether `model` numbers its tokens with M-RoPE rows (a Qwen2/2.5/3-VL-style vision-language target,
-    whose multimodal model has `get_rope_index`)."""
-    inner = getattr(model, "model", None)
-    return is_vision_language(model.config) and hasattr(inner, "get_rope_index")
-
-
-def mrope_batch_positions(
-    model: nn.Module,
-    input_ids: torch.Tensor,  # [B, T]
-    attention_mask: torch.Tensor,  # [B, T], 1 = real token (right padding)
-    vision: VisionInputs | None,
-) -> torch.Tensor:
-    """[B, T, 3] long: the M-RoPE rows (time, height, width) of every token, as the target's forward computes
-    them for this batch (`get_rope_index`, given the same mask); the sequence index on all three rows
-    for a batch without images."""
-    b, t = input_ids.shape
-    if vision is None:
-        return torch.arange(t, device=input_ids.device).expand(b, 3, t).transpose(1, 2)  # [B, T, 3]
-    kw = vision.model_kwargs(input_ids, image_token_id(model.config))
-    positions, _ = multimodal_model(model).get_rope_index(
-        input_ids,
-        mm_token_type_ids=kw["mm_token_type_ids"],
-        image_grid_thw=kw["image_grid_thw"],
-        attention_mask=attention_mask,
-    )  # [3, B, T]
-    return positions.permute(1, 2, 0).long()  # [B, T, 3]
 
 
 def vision_batch(model: nn.Module, images: Sequence[Sequence[str]], device: torch.device | str) -> VisionInputs | None:

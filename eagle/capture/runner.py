@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eagle.algorithms import get_algorithm
-from eagle.capture.features import check_layer_ids, extract_features, has_mrope_positions, idle_forward, vision_batch
+from eagle.capture.features import check_layer_ids, extract_features, idle_forward, vision_batch
 from eagle.capture.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -56,6 +56,7 @@ from eagle.data.dataset import DataSplits, build_splits, data_fingerprint
 from eagle.errors import CaptureError
 from eagle.fileio import atomic_write_json
 from eagle.target.loading import TargetInfo
+from eagle.target.multimodal import has_mrope
 from eagle.target.precision import DTYPES, resolve_dtype
 from eagle.target.shard import is_sharded, load_placed_target
 from eagle.target.structure import default_aux_layer_ids
@@ -447,7 +448,7 @@ def _plan(
     jobs = plan_shards(splits, capture.shard_size)
     if not jobs:
         raise CaptureError("no conversations to capture: the data stage produced empty train and held-out splits")
-    mrope = source.model is not None and has_mrope_positions(source.model)
+    mrope = source.model is not None and has_mrope(source.model)
     header = build_header(info, data_identity, algorithm, aux_layer_ids, capture, jobs, source.engine, mrope)
     return _CaptureRun(root, source, capture, algorithm, aux_layer_ids, jobs, header, state, log)
 

@@ -303,24 +303,38 @@ def builds_image_masks(model: Any) -> bool:
     return hasattr(type(model), "create_masks_for_generate")
 
 
+def batch_mrope_positions(
+    model: Any,
+    input_ids: torch.Tensor,  # [B, T]
+    attention_mask: torch.Tensor | None,  # [B, T], 1 = real token; None = all real
+    vision: VisionInputs | None,  # the batch's images, in row order
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M-RoPE positions [3, B, T], deltas [B]): transformers' `get_rope_index` for the batch, the call the
+    target's own forward makes; a token at sequence index i past a row's end has position i + delta in all
+    three rows. Without images, or for a 1-D RoPE family (no `get_rope_index`: Gemma 3), three equal rows of
+    the sequence index and delta 0."""
+    b, t = input_ids.shape
+    if vision is None or not vision.num_images or not has_mrope(model):
+        pos = torch.arange(t, device=input_ids.device).expand(3, b, t)
+        return pos, torch.zeros(b, dtype=torch.long, device=input_ids.device)
+    kw = vision.model_kwargs(input_ids, image_token_id(model.config))
+    positions, delta = multimodal_model(model).get_rope_index(
+        input_ids,
+        mm_token_type_ids=kw["mm_token_type_ids"],
+        image_grid_thw=kw["image_grid_thw"],
+        attention_mask=attention_mask,
+    )  # [3, B, T], [B, 1]
+    return positions.long(), delta.reshape(-1).long()
+
+
 def mrope_positions(
     model: Any,
     input_ids: torch.Tensor,  # [T] one sequence
     vision: VisionInputs | None,
 ) -> tuple[torch.Tensor, int]:
-    """(M-RoPE positions [3, T], delta): transformers' `get_rope_index` for the sequence; a token at sequence
-    index i >= T (a generated one) has position i + delta in all three rows. Without images, or for a 1-D RoPE
-    family (no `get_rope_index`: Gemma 3), three equal rows of the sequence index and delta 0."""
-    if vision is None or not vision.num_images or not has_mrope(model):
-        pos = torch.arange(input_ids.numel(), device=input_ids.device)
-        return pos.expand(3, -1), 0
-    inner = multimodal_model(model)
-    ids = input_ids[None]  # [1, T]
-    kw = vision.model_kwargs(ids, image_token_id(model.config))
-    positions, delta = inner.get_rope_index(
-        ids, mm_token_type_ids=kw["mm_token_type_ids"], image_grid_thw=kw["image_grid_thw"]
-    )  # [3, 1, T], [1, 1]
-    return positions[:, 0], int(delta.reshape(-1)[0])
+    """(M-RoPE positions [3, T], delta) of one sequence (`batch_mrope_positions`)."""
+    positions, delta = batch_mrope_positions(model, input_ids[None], None, vision)
+    return positions[:, 0], int(delta[0])
 
 
 def position_rows(sequence_positions: torch.Tensor, mrope: torch.Tensor) -> torch.Tensor:
